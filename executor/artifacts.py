@@ -1,0 +1,384 @@
+"""Model artifacts: from a downloaded file to the executor's one canonical model file.
+
+Whatever the orchestrator sends (safetensors, a ``torch.save`` state dict in the
+zip or the legacy format, or a zipped Hugging Face bundle), the executor works on
+exactly one file, ``<dest_dir>/model.safetensors``, so that the sync-delta apply,
+the state hash and mmap loading know one format. The format is detected by
+content; the URL's suffix is only a hint for the error message of a file that
+matches nothing (a ``.pt`` from ``torch.save`` is itself a zip, told apart from a
+bundle by its members).
+
+Pickle is never trusted: torch checkpoints load with ``weights_only=True``, so a
+serialized ``nn.Module`` is refused, and a bundle that needs remote code is
+refused too. A failed preparation leaves the previous model file and bundle
+exactly as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from executor import bundle, fileio, tensorfile
+from executor.errors import BadArtifact, InvalidRequest, RoundhouseError
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILENAME = "model.safetensors"
+BUNDLE_DIRNAME = "bundle"
+SAFETENSORS = "safetensors"
+TORCH = "torch"
+HF_BUNDLE = "hf_bundle"
+_SUFFIXES = (".safetensors", ".zip", ".pth", ".bin", ".pt")
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+@dataclass(frozen=True)
+class ModelArtifact:
+    """A prepared model: the canonical safetensors file and, for a bundle, its extracted files."""
+
+    model_path: str
+    bundle_root: str | None
+    preprocessor_config: dict[str, Any] = field(default_factory=dict)
+    source_format: str = SAFETENSORS
+    keys: int = 0
+    bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "bundle_root": self.bundle_root,
+            "preprocessor_config": dict(self.preprocessor_config),
+            "source_format": self.source_format,
+            "keys": self.keys,
+            "bytes": self.bytes,
+        }
+
+
+def model_suffix(url: str) -> str:
+    """The model file's suffix from the URL's path (query ignored); ``.pt`` when unknown."""
+    path = urlparse(url).path.lower()
+    for suffix in _SUFFIXES:
+        if path.endswith(suffix):
+            return suffix
+    return ".pt"
+
+
+def detect_format(path: str, hint: str = "") -> str:
+    """``safetensors`` | ``torch`` | ``hf_bundle``, by the file's first bytes and, for a zip, its members."""
+    with open(path, "rb") as file:
+        head = file.read(16)
+    if not head:
+        raise BadArtifact("model file is empty")
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise BadArtifact(f"model file looks like a zip but cannot be read: {exc}") from None
+        return HF_BUNDLE if bundle.is_bundle_zip(names) else TORCH
+    # safetensors: u64le header length, then the JSON header's opening brace.
+    if (
+        len(head) >= 9
+        and head[8:9] == b"{"
+        and int.from_bytes(head[:8], "little") <= tensorfile.MAX_HEADER_BYTES
+    ):
+        return SAFETENSORS
+    # torch.save's legacy format is a bare pickle (PROTO opcode, protocol 2..5).
+    if head[0] == 0x80 and 2 <= head[1] <= 5:
+        return TORCH
+    # Unrecognised content: let the reader the suffix names explain what is wrong.
+    if hint == ".safetensors":
+        return SAFETENSORS
+    if hint in _TORCH_SUFFIXES:
+        return TORCH
+    raise BadArtifact(
+        f"model file{f' ({hint})' if hint else ''} is not safetensors, a torch checkpoint or a zip"
+    )
+
+
+def prepare_model_artifact(
+    downloaded: str, dest_dir: str, *, max_bundle_bytes: int, max_bundle_files: int
+) -> ModelArtifact:
+    """Validate ``downloaded`` and make it ``<dest_dir>/model.safetensors`` atomically.
+
+    On success ``downloaded`` is consumed (moved into place or removed) and a bundle is
+    extracted into ``<dest_dir>/bundle`` (a stale bundle of an earlier model is removed).
+    On failure ``BadArtifact`` is raised, ``downloaded`` is left for the caller, and the
+    previous model file and bundle are untouched.
+    """
+    os.makedirs(dest_dir, exist_ok=True)
+    model_path = os.path.join(dest_dir, MODEL_FILENAME)
+    bundle_dir = os.path.join(dest_dir, BUNDLE_DIRNAME)
+    try:
+        source_format = detect_format(downloaded, os.path.splitext(downloaded)[1].lower())
+        if source_format == SAFETENSORS:
+            keys = _install_safetensors(downloaded, model_path)
+            staged = None
+        else:
+            keys, staged = _install_converted(
+                downloaded, source_format, model_path, max_bundle_bytes, max_bundle_files
+            )
+        if staged is not None:
+            bundle.commit_bundle(staged, bundle_dir)
+        else:
+            shutil.rmtree(bundle_dir, ignore_errors=True)
+    except RoundhouseError:
+        raise
+    except Exception as exc:
+        raise BadArtifact(f"model artifact cannot be prepared: {bundle.cause(exc)}") from exc
+    if source_format != SAFETENSORS:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(downloaded)
+    return ModelArtifact(
+        model_path=model_path,
+        bundle_root=bundle_dir if staged is not None else None,
+        preprocessor_config=dict(staged.preprocessor_config) if staged is not None else {},
+        source_format=source_format,
+        keys=keys,
+        bytes=os.path.getsize(model_path),
+    )
+
+
+def _install_safetensors(downloaded: str, model_path: str) -> int:
+    """The download is already canonical: validate it, then move it into place."""
+    keys = _count_keys(downloaded)
+    if os.path.abspath(downloaded) == os.path.abspath(model_path):
+        return keys
+    try:
+        # mkstemp-style 0600 downloads must become readable to a sandboxed runner under another uid.
+        os.chmod(downloaded, _file_mode())
+        os.replace(downloaded, model_path)
+        return keys
+    except OSError:
+        pass  # another filesystem: copy into dest_dir, then replace atomically
+    tmp = fileio.temp_path_for(model_path)
+    try:
+        shutil.copyfile(downloaded, tmp)
+        _finish_temp(tmp, model_path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(downloaded)
+    return keys
+
+
+def _install_converted(
+    downloaded: str, source_format: str, model_path: str, max_bundle_bytes: int, max_bundle_files: int
+) -> tuple[int, bundle.StagedBundle | None]:
+    """Write a torch checkpoint's or a bundle's weights as safetensors, then replace the model file."""
+    dest_dir = os.path.dirname(model_path)
+    tmp = fileio.temp_path_for(model_path)
+    staged = None
+    try:
+        if source_format == TORCH:
+            state = load_torch_state(downloaded)
+            with open(tmp, "wb") as sink:
+                tensorfile.write_state(sink, state, bundle.SAFETENSORS_METADATA)
+            del state
+        else:
+            staged = bundle.stage_bundle(
+                downloaded,
+                dest_dir,
+                tmp,
+                max_bytes=max_bundle_bytes,
+                max_files=max_bundle_files,
+                load_state=load_torch_state,
+            )
+        keys = _count_keys(tmp)
+        _finish_temp(tmp, model_path)
+        return keys, staged
+    except BaseException:
+        if staged is not None:
+            bundle.discard_bundle(staged)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _finish_temp(tmp: str, model_path: str) -> None:
+    # mkstemp makes 0600; a sandboxed runner under another uid must be able to read the model.
+    os.chmod(tmp, _file_mode())
+    os.replace(tmp, model_path)
+
+
+def _file_mode() -> int:
+    """0o666 under the process umask, read without the racy ``os.umask`` set-and-restore."""
+    umask = 0o022
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                umask = int(line.split()[1], 8)
+    return 0o666 & ~umask
+
+
+def _count_keys(path: str) -> int:
+    with open(path, "rb") as file:
+        header = tensorfile.read_header(file)
+    if not header.specs:
+        raise BadArtifact("model file holds no tensors")
+    return len(header.specs)
+
+
+# --- state files ---------------------------------------------------------------------------
+
+
+def load_torch_state(path: str) -> dict[str, torch.Tensor]:
+    """A ``torch.save`` state dict loaded with ``weights_only`` (zip archives memory-mapped)."""
+    with open(path, "rb") as file:
+        # The zip magic, not zipfile.is_zipfile: a legacy pickle may hold an end-of-archive record by chance.
+        is_zip = file.read(4) == b"PK\x03\x04"
+    if is_zip:
+        _check_torch_zip(path)
+    try:
+        loaded = _torch_load(path, mmap=is_zip)
+    except pickle.UnpicklingError as exc:
+        raise BadArtifact(
+            f"serialized modules are rejected: the checkpoint holds more than tensors ({_refusal(exc)})"
+        ) from None
+    except Exception as exc:
+        raise BadArtifact(f"torch checkpoint cannot be read: {bundle.cause(exc)}") from None
+    return state_from_loaded(loaded, BadArtifact)
+
+
+def _torch_load(path: str, *, mmap: bool) -> Any:
+    if path.endswith(".safetensors"):
+        # torch.load picks its reader by that suffix; this content was detected as a torch checkpoint.
+        with open(path, "rb") as file:
+            return torch.load(file, weights_only=True, map_location="cpu")
+    return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+
+
+def _check_torch_zip(path: str) -> None:
+    # torch.save stores members uncompressed; a compressed one could only be a bomb.
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise BadArtifact(f"torch checkpoint is not a readable zip: {exc}") from None
+    with archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise BadArtifact(
+                    f"torch checkpoint member {info.filename!r} is compressed; torch.save never is"
+                )
+
+
+def _refusal(exc: BaseException) -> str:
+    """The one useful line of torch's long weights_only refusal."""
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if line.startswith("WeightsUnpickler error:"):
+            return line.removeprefix("WeightsUnpickler error:").split(" Please use", 1)[0].strip()
+    return bundle.cause(exc)
+
+
+def state_from_loaded(loaded: Any, error: type[RoundhouseError]) -> dict[str, torch.Tensor]:
+    """A flat ``{str: Tensor}`` from a state dict or ``{"state_dict": ...}``; anything else is ``error``."""
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        loaded = loaded["state_dict"]
+    if isinstance(loaded, torch.nn.Module):
+        raise error("serialized modules are rejected: pass a state dict (model.state_dict())")
+    if not isinstance(loaded, Mapping):
+        raise error(f"model artifact holds a {type(loaded).__name__}, not a state dict of tensors")
+    state: dict[str, torch.Tensor] = {}
+    for key, value in loaded.items():
+        if not isinstance(key, str):
+            raise error(f"state dict key {key!r} is not a string")
+        if not isinstance(value, torch.Tensor):
+            raise error(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor")
+        if value.layout != torch.strided:
+            raise error(
+                f"state dict entry {key!r} has layout {value.layout}; only dense tensors are accepted"
+            )
+        state[key] = value.detach()
+    if not state:
+        raise error("state dict holds no tensors")
+    return state
+
+
+def load_state_file(path: str) -> dict[str, torch.Tensor]:
+    """What user code's ``load_model(path)`` returns: a safetensors or weights-only torch state dict."""
+    try:
+        source_format = detect_format(path, os.path.splitext(path)[1].lower())
+        if source_format == SAFETENSORS:
+            return tensorfile.load_state(path)
+        if source_format == TORCH:
+            return load_torch_state(path)
+    except OSError as exc:
+        raise BadArtifact(f"model file cannot be read: {exc}") from None
+    raise BadArtifact("a Hugging Face bundle zip is not a state file; load the executor's model_path instead")
+
+
+# --- building models -----------------------------------------------------------------------
+
+
+def materialize_model(
+    loaded: Any, *, params: Mapping[str, Any], bundle_root: str | None
+) -> tuple[torch.nn.Module, list[str], list[str]]:
+    """Build the architecture locally (no hub, no remote code) and load ``loaded`` into it.
+
+    ``loaded`` is a state dict or ``{"state_dict": ...}``. With ``bundle_root`` the
+    architecture comes from the bundle's config.json, otherwise from ``params``
+    (``model_name``, ``model_backend``, ``num_classes``, ``hf_config``, ``hf_task``).
+    Returns ``(model, missing, unexpected)``; a missing key whose tensor is tied to a
+    loaded one (an LM head sharing the embedding) is not reported as missing.
+    """
+    state = state_from_loaded(loaded, InvalidRequest)
+    if bundle_root:
+        cls, config = bundle.bundle_model_class(bundle_root, params)
+        return bundle.load_hf_model(cls, config, state, BadArtifact)
+    model_name = str(params.get("model_name") or "").strip()
+    if not model_name:
+        raise InvalidRequest("a state dict without a bundle needs params.model_name")
+    backend = str(params.get("model_backend") or "timm").lower()
+    if backend == "huggingface":
+        cls, config = bundle.hf_class_from_params(params)
+        return bundle.load_hf_model(cls, config, state, InvalidRequest)
+    model = _build_vision_model(backend, model_name, params)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise InvalidRequest(f"the state dict does not fit {model_name!r}: {bundle.cause(exc)}") from None
+    return model, _untied(model, state, list(missing)), list(unexpected)
+
+
+def _untied(model: torch.nn.Module, state: Mapping[str, torch.Tensor], missing: list[str]) -> list[str]:
+    current = model.state_dict()
+    loaded = {current[key].untyped_storage().data_ptr() for key in state if key in current}
+    loaded.discard(0)  # empty tensors all share the null pointer
+    return [key for key in missing if current[key].untyped_storage().data_ptr() not in loaded]
+
+
+def _build_vision_model(backend: str, model_name: str, params: Mapping[str, Any]) -> torch.nn.Module:
+    try:
+        classes = int(params.get("num_classes", 1000))
+    except (TypeError, ValueError):
+        raise InvalidRequest(
+            f"params.num_classes must be an integer, got {params.get('num_classes')!r}"
+        ) from None
+    try:
+        if backend == "timm":
+            import timm
+
+            return timm.create_model(model_name, pretrained=False, num_classes=classes)
+        if backend == "torchvision":
+            from torchvision import models
+
+            return models.get_model(model_name, weights=None, num_classes=classes)
+    except Exception as exc:
+        raise InvalidRequest(f"{backend} cannot build {model_name!r}: {bundle.cause(exc)}") from None
+    raise InvalidRequest(
+        f"unsupported params.model_backend {backend!r}; use timm, torchvision or huggingface"
+    )

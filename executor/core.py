@@ -1,0 +1,724 @@
+"""The Executor: one per process, persisting across tasks (DESIGN §1).
+
+``load`` downloads and validates the model and stages the first shard; ``run``
+starts a round of tenant code (in a thread, or in the sandboxed runner);
+``finish_round`` turns its outcome into a result and a trained delta;
+``update_model`` applies the orchestrator's sync delta, falling back to a full
+download; ``reset`` is the tenant boundary. The public methods and signatures
+are the seed's, with keyword-only additions.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from executor import artifacts, placement, transfer
+from executor.dataset import ShardSession
+from executor.delta import apply_sync_delta, file_state_hash, write_result_delta
+from executor.errors import (
+    CacheTooSmall,
+    CleanupFailed,
+    ErrorInfo,
+    HashMismatch,
+    InvalidRequest,
+    RoundhouseError,
+    SandboxRunnerError,
+    StopExecution,
+    Stopped,
+    UserCodeError,
+    error_info,
+)
+from executor.fileio import atomic_write_json, tree_bytes
+from executor.guard import execute_script, validate_script
+from executor.namespace import RoundOutputs, RoundSpec, build_namespace, cpu_state, stop_checker
+from executor.preprocess import ImagePreprocessor
+from executor.results import (
+    ApplyOutcome,
+    ApplyVia,
+    DeltaInfo,
+    ExecutorState,
+    LoadResult,
+    RoundResult,
+    RoundStatus,
+)
+from executor.session import Session, check_load_args, check_params, model_fingerprint, parse_delta_dtype
+from executor.shards import ShardCache, ShardDescriptor
+from executor.stopping import StopSignal, UserCodeShield
+from settings import Settings, get_settings
+
+logger = logging.getLogger(__name__)
+
+StatsCallback = Callable[[dict[str, Any]], None]
+LogCallback = Callable[[str], None]
+StateCallback = Callable[[dict[str, Any]], None]
+
+
+class Executor:
+    def __init__(
+        self,
+        emit_stats: StatsCallback,
+        emit_log: LogCallback,
+        host_id: str = "",
+        shard_cache_max_mb: int | None = None,
+        stage_first_shard: bool | None = None,
+        work_dir: str | None = None,
+        sandboxed: bool = False,
+        *,
+        settings: Settings | None = None,
+        cache_dir: str | None = None,
+        session_dir: str | None = None,
+        emit_state: StateCallback | None = None,
+    ) -> None:
+        if sandboxed:
+            # The sandboxed runner (DESIGN §8) is its own piece of work; refuse rather than
+            # silently running tenant code in-thread.
+            raise SandboxRunnerError("sandboxed execution is not available in this build yet")
+        self.settings = settings or get_settings()
+        self._emit_stats = emit_stats
+        self._emit_log = emit_log
+        self._emit_state = emit_state or (lambda _data: None)
+        self._host_id = host_id or self.settings.host_id
+        self._sandboxed = sandboxed
+        self._stage_first_shard = (
+            self.settings.stage_first_shard if stage_first_shard is None else stage_first_shard
+        )
+        base = work_dir or self.settings.work_dir
+        os.makedirs(base, exist_ok=True)
+        if session_dir is not None:
+            os.makedirs(session_dir, mode=0o700, exist_ok=True)
+            self._tmpdir = session_dir
+        else:
+            self._tmpdir = tempfile.mkdtemp(prefix="task-", dir=base)
+        cache_mb = self.settings.shard_cache_max_mb if shard_cache_max_mb is None else shard_cache_max_mb
+        # <= 0 keeps the seed's meaning: no shared cache and no prefetch; shards live in the work dir.
+        self._cache_private = cache_mb <= 0
+        self._transfer = transfer.TransferConfig.from_settings(self.settings)
+        self._cache = ShardCache(
+            os.path.join(self._tmpdir, "private-shards")
+            if self._cache_private
+            else (cache_dir or self.settings.cache_dir),
+            max(cache_mb, 1) * 1024 * 1024 if not self._cache_private else 1 << 62,
+            transfer_config=self._transfer,
+            wait_timeout_s=self.settings.cache_wait_timeout_s,
+        )
+        self._stop_event = StopSignal()
+        self._shield = UserCodeShield(self._stop_event)
+        self._thread: threading.Thread | None = None
+        self._process: Any = None  # the sandboxed runner (executor.sandbox), when one runs
+        self._session: Session | None = None
+        self._round = RoundSpec(100, 0, 1, 0, "training")
+        self._outputs = RoundOutputs()
+        self._stopped = False
+        self.original_state: dict[str, torch.Tensor] | None = None
+        self.modified_state: dict[str, torch.Tensor] | None = None
+        self.training_time: float = 0.0
+        self.report: dict[str, Any] | None = None
+        self.execution_error: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def work_dir(self) -> str:
+        return self._tmpdir
+
+    @property
+    def abort_event(self) -> threading.Event:
+        """The session's stop signal; transfers abort between chunks when it is set."""
+        return self._stop_event
+
+    @property
+    def cache(self) -> ShardCache:
+        return self._cache
+
+    @property
+    def session(self) -> Session | None:
+        return self._session
+
+    @property
+    def state(self) -> ExecutorState:
+        if self.is_running():
+            return ExecutorState.RUNNING
+        return ExecutorState.LOADED if self._session is not None else ExecutorState.IDLE
+
+    def is_running(self) -> bool:
+        return bool(self._thread and self._thread.is_alive())
+
+    # ------------------------------------------------------------ load phase
+
+    def load(
+        self,
+        model_url: str,
+        dataset_shards: Sequence[Mapping[str, Any] | str],
+        code: str,
+        batch_size: int = 32,
+        params: dict[str, Any] | None = None,
+        initial_shard_index: int = 0,
+        *,
+        tenant: str = "default",
+    ) -> LoadResult:
+        """Download and validate the model, stage one shard, and start the next one's prefetch.
+
+        Nothing is touched until the request validates; a failure after that leaves
+        the executor idle (never with a half-written model file).
+        """
+        started = time.monotonic()
+        if self.is_running():
+            raise InvalidRequest("a round is running on this worker: stop it before loading")
+        self._stop_event.clear()
+        compiled = validate_script(code, max_bytes=self.settings.max_script_bytes)
+        args = check_load_args(model_url, dataset_shards, batch_size, params, initial_shard_index, tenant)
+        self._check_cache_fits(args.descriptors)
+        # Everything is fetched and checked beside the current session; it is replaced only
+        # once the new one is complete, so a bad model or shard leaves the old one intact.
+        with self._staging() as staging:
+            artifact = self._fetch_model(model_url, "model", staging)
+            model_hash = file_state_hash(artifact.model_path)
+            dataset = ShardSession(
+                self._cache,
+                args.tenant,
+                args.descriptors,
+                abort=self._stop_event,
+                progress=self._shard_progress,
+            )
+            if self._session is not None:
+                self._session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)  # free its pins
+            staged = None
+            try:
+                if args.descriptors and self._stage_first_shard:
+                    staged = dataset.stage(args.initial_shard_index % len(args.descriptors))
+                self._close_session()
+                model_path, bundle_root = self._install(artifact)
+            except BaseException:
+                dataset.close(timeout_s=self.settings.stop_join_timeout_s)
+                raise
+        self._session = Session(
+            tenant=args.tenant,
+            model_url=model_url,
+            model_path=model_path,
+            bundle_root=bundle_root,
+            preprocessor_config=artifact.preprocessor_config,
+            code=code,
+            compiled=compiled,
+            params=args.params,
+            batch_size=args.batch_size,
+            model_hash=model_hash,
+            fingerprint=model_fingerprint(model_path),
+            dataset=dataset,
+        )
+        self._write_manifest()
+        self.original_state = self.modified_state = None
+        self.training_time = 0.0
+        logger.info("load complete: %d keys, hash %s", artifact.keys, model_hash)
+        return LoadResult(
+            model_hash,
+            artifact.keys,
+            artifact.bytes,
+            staged,
+            time.monotonic() - started,
+            artifact.source_format,
+        )
+
+    @contextmanager
+    def _staging(self) -> Iterator[str]:
+        staging = os.path.join(self._tmpdir, "incoming", "staging")
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        try:
+            yield staging
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _install(self, artifact: artifacts.ModelArtifact) -> tuple[str, str | None]:
+        """Move a staged model (and its bundle) into the work dir; each move is atomic."""
+        target = os.path.join(self._tmpdir, "model.safetensors")
+        os.replace(artifact.model_path, target)
+        bundle_root = os.path.join(self._tmpdir, "bundle")
+        shutil.rmtree(bundle_root, ignore_errors=True)
+        if artifact.bundle_root is None:
+            return target, None
+        os.replace(artifact.bundle_root, bundle_root)
+        return target, bundle_root
+
+    def _check_cache_fits(self, descriptors: list[ShardDescriptor]) -> None:
+        """Refuse at load, not mid-round, when known shard sizes cannot fit two at a time."""
+        if self._cache_private or len(descriptors) < 2:
+            return
+        sizes = [d.size_bytes for d in descriptors]
+        if not all(sizes):
+            return
+        # A zstd shard needs its packed and decoded bytes while it decodes; size_bytes is the packed size.
+        pairs = max(sizes[i] + sizes[(i + 1) % len(sizes)] for i in range(len(sizes)))
+        if pairs > self._cache.max_bytes:
+            raise CacheTooSmall(
+                f"shard cache limit of {self._cache.max_bytes} bytes cannot hold two consecutive shards "
+                f"({pairs} bytes): raise ROUNDHOUSE_SHARD_CACHE_MAX_MB",
+                {"limit_bytes": self._cache.max_bytes, "need_bytes": pairs},
+            )
+
+    def _fetch_model(self, model_url: str, what: str, dest_dir: str) -> artifacts.ModelArtifact:
+        """Download a model into ``incoming/`` and turn it into the canonical file in ``dest_dir``."""
+        incoming = os.path.join(self._tmpdir, "incoming")
+        os.makedirs(incoming, exist_ok=True)
+        download = os.path.join(incoming, what + artifacts.model_suffix(model_url))
+        transfer.fetch(
+            model_url,
+            download,
+            config=self._transfer,
+            abort=self._stop_event,
+            progress=self._progress_reporter(what),
+        )
+        try:
+            return artifacts.prepare_model_artifact(
+                download,
+                dest_dir,
+                max_bundle_bytes=self.settings.bundle_max_bytes,
+                max_bundle_files=self.settings.bundle_max_files,
+            )
+        finally:
+            if os.path.exists(download):
+                os.unlink(download)
+
+    def _progress_reporter(self, what: str) -> Callable[[int, int | None], None]:
+        def report(done: int, total: int | None) -> None:
+            self._emit_state({"phase": "download", "what": what, "done": done, "total": total})
+
+        return report
+
+    def _shard_progress(self, done: int, total: int | None) -> None:
+        self._emit_state({"phase": "download", "what": "shard", "done": done, "total": total})
+
+    def _write_manifest(self) -> None:
+        if self._session is None:
+            return
+        try:
+            atomic_write_json(os.path.join(self._tmpdir, "session.json"), self._session.manifest())
+        except (TypeError, ValueError):
+            # Library callers may pass params JSON cannot hold; the manifest is then skipped.
+            logger.warning("session manifest not written: params are not JSON-serialisable")
+
+    # ------------------------------------------------------------ execution phase
+
+    def run(
+        self,
+        steps: int = 100,
+        round_num: int = 0,
+        total_rounds: int = 1,
+        mode: str = "training",
+        step_offset: int = 0,
+    ) -> None:
+        """Start tenant code in a background thread (or the sandboxed runner)."""
+        if self.is_running():
+            logger.warning("Executor already running")
+            return
+        if self._session is None:
+            raise InvalidRequest("no model is loaded: send load_model first")
+        if mode not in ("training", "inference"):
+            raise InvalidRequest(f"mode must be 'training' or 'inference', got {mode!r}")
+        for name, value in (("steps", steps), ("round_num", round_num), ("total_rounds", total_rounds)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidRequest(f"{name} must be a non-negative integer")
+        self._round = RoundSpec(steps, round_num, total_rounds, max(0, int(step_offset)), mode)
+        self._outputs = RoundOutputs()
+        self._stopped = False
+        self.execution_error = None
+        self.report = None
+        self.modified_state = None
+        self.training_time = 0.0
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._execute, daemon=True, name="executor")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until tenant code finishes."""
+        if self._thread:
+            self._thread.join()
+
+    def run_round(
+        self,
+        steps: int = 100,
+        round_num: int = 0,
+        total_rounds: int = 1,
+        mode: str = "training",
+        step_offset: int = 0,
+        *,
+        delta_url: str | None = None,
+        delta_dtype: str = "float16",
+    ) -> RoundResult:
+        """``run`` + ``wait`` + ``finish_round``: one round, blocking, as the task runs it."""
+        dtype = parse_delta_dtype(delta_dtype)
+        self.run(steps, round_num, total_rounds, mode, step_offset)
+        self.wait()
+        return self.finish_round(delta_url=delta_url, delta_dtype=str(dtype).removeprefix("torch."))
+
+    def _device(self) -> str:
+        if torch.cuda.is_available():
+            return "cuda"
+        if torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+
+    def _namespace(self, device: str) -> dict[str, Any]:
+        session = self._require_session()
+        preprocessor = ImagePreprocessor(session.preprocessor_config, session.params)
+        return build_namespace(
+            model_path=session.model_path,
+            get_shard=self.get_shard,
+            num_shards=session.dataset.num_shards,
+            host_id=self._host_id,
+            device=device,
+            batch_size=session.batch_size,
+            params=session.params,
+            spec=self._round,
+            emit_stats=self._emit_stats,
+            emit_log=self._emit_log,
+            should_stop=stop_checker(self._stop_event),
+            load_model=artifacts.load_state_file,
+            materialize_model=self._materialize_model,
+            place_model=self._place_model,
+            prepare_inputs=preprocessor.prepare,
+            outputs=self._outputs,
+            shield=self._shield.callback,
+        )
+
+    def _execute(self) -> None:
+        started = time.monotonic()
+        namespace: dict[str, Any] = {}
+        try:
+            device = self._device()
+            namespace = self._namespace(device)
+            logger.info("starting tenant code on %s", device)
+            self._shield.enter()
+            try:
+                execute_script(self._require_session().compiled, namespace)
+            finally:
+                self._shield.leave()
+        except StopExecution:
+            self._stopped = True
+        except Stopped:
+            self._stopped = True
+        except BaseException as exc:
+            self._record_failure(exc)
+        finally:
+            self.training_time = time.monotonic() - started
+        try:
+            self._resolve_modified_state(namespace)
+        except StopExecution:  # a stop that raced the end of tenant code
+            self._stopped = True
+        finally:
+            namespace.clear()
+            gc.collect()
+            placement.empty_device_cache()
+
+    def _record_failure(self, exc: BaseException) -> None:
+        if placement.is_oom(exc):
+            error = placement.oom_error(exc)
+            self.execution_error = error.to_json()
+            self._emit_log(f"[ERROR] {error.message}")
+            return
+        if isinstance(exc, RoundhouseError):
+            self.execution_error = exc.to_json()
+        else:
+            tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+            self.execution_error = UserCodeError(
+                f"{type(exc).__name__}: {exc}", {"traceback": tail[-8000:]}
+            ).to_json()
+        logger.info("tenant code failed: %s", self.execution_error["message"])
+        self._emit_log(f"[ERROR] {self.execution_error['message']}")
+
+    def _resolve_modified_state(self, namespace: dict[str, Any]) -> None:
+        if self._round.mode == "inference" or self.execution_error is not None or self._stopped:
+            self.modified_state = None
+        elif self._outputs.saved_state is not None:
+            self.modified_state = self._outputs.saved_state
+        elif hasattr(namespace.get("model"), "state_dict"):
+            self.modified_state = cpu_state(namespace["model"])
+        else:
+            # Nothing saved: the round produced no change (a zero delta).
+            self.modified_state = None
+        self.report = self._outputs.report
+        self._outputs.saved_state = None
+
+    # ------------------------------------------------------------ finishing a round
+
+    def finish_round(self, *, delta_url: str | None = None, delta_dtype: str = "float16") -> RoundResult:
+        """The result of the round that just ended, with its trained delta written (and uploaded)."""
+        if self.is_running():
+            raise InvalidRequest("the round is still running")
+        session = self._require_session()
+        delta: DeltaInfo | None = None
+        error = ErrorInfo(**self.execution_error) if self.execution_error else None
+        status = (
+            RoundStatus.STOPPED if self._stopped else (RoundStatus.FAILED if error else RoundStatus.COMPLETED)
+        )
+        if status is RoundStatus.COMPLETED and self._round.mode == "training":
+            try:
+                delta = self._ship_delta(session, delta_url, delta_dtype)
+            except Stopped:
+                status = RoundStatus.STOPPED
+            except RoundhouseError as exc:
+                status, error = RoundStatus.FAILED, exc.info()
+            except ValueError as exc:
+                status, error = RoundStatus.FAILED, UserCodeError(str(exc)).info()
+        self.modified_state = None
+        return RoundResult(status, self.training_time, self.report, error, delta, self._round.round_num)
+
+    def _ship_delta(self, session: Session, delta_url: str | None, dtype_name: str) -> DeltaInfo:
+        dtype = parse_delta_dtype(dtype_name)
+        trained = self.modified_state
+        if trained is None:
+            trained = {}
+        deltas = os.path.join(self._tmpdir, "deltas")
+        os.makedirs(deltas, exist_ok=True)
+        path = os.path.join(deltas, f"round-{self._round.round_num}.safetensors.zst")
+        written = write_result_delta(session.model_path, trained, path, dtype=dtype)
+        if not delta_url:
+            return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
+        try:
+            transfer.upload(path, delta_url, config=self._transfer, abort=self._stop_event)
+        finally:
+            os.unlink(path)
+        return DeltaInfo(
+            written.bytes, written.hash, written.dtype, written.keys, url=transfer.redact_url(delta_url)
+        )
+
+    # ------------------------------------------------------------ sync phase
+
+    def update_model(
+        self,
+        model_url: str,
+        params: dict[str, Any] | None = None,
+        dataset_shards: Sequence[Mapping[str, Any] | str] | None = None,
+        delta_url: str | None = None,
+        base_hash: str | None = None,
+        result_hash: str | None = None,
+    ) -> ApplyOutcome:
+        """Apply the orchestrator's sync delta in place, else download the full model.
+
+        A sync never fails *because of* the delta path: any divergence or error there
+        falls back to ``model_url``. Only an explicit stop aborts instead.
+        """
+        started = time.monotonic()
+        if self.is_running():
+            raise InvalidRequest("a round is running on this worker: stop it before apply_delta")
+        new_params = check_params(params) if params is not None else None
+        descriptors = (
+            [ShardDescriptor.parse(d) for d in dataset_shards] if dataset_shards is not None else None
+        )
+        self.original_state = self.modified_state = None
+        placement.empty_device_cache()
+        session = self._session
+        if (
+            session is not None
+            and result_hash
+            and session.model_hash == result_hash
+            and session.file_unchanged()
+        ):
+            self._update_session(new_params, descriptors)
+            return ApplyOutcome(ApplyVia.DELTA, result_hash, time.monotonic() - started, noop=True)
+        reason: str | None = "no delta offered"
+        if delta_url and base_hash and result_hash:
+            reason = self._try_delta(delta_url, base_hash, result_hash)
+        if reason is None:
+            via = ApplyVia.DELTA
+            model_hash = result_hash or ""
+        else:
+            logger.warning("sync: %s; downloading the full model", reason)
+            model_hash = self._full_update(model_url, result_hash)
+            via = ApplyVia.FULL
+        self._update_session(new_params, descriptors)
+        return ApplyOutcome(
+            via, model_hash, time.monotonic() - started, None if via is ApplyVia.DELTA else reason
+        )
+
+    def _try_delta(self, delta_url: str, base_hash: str, result_hash: str) -> str | None:
+        """Apply the delta; returns None on success, else why it could not be used."""
+        session = self._session
+        if session is None or not os.path.exists(session.model_path):
+            return "no local base model"
+        known = session.model_hash if session.file_unchanged() else None
+        if known is not None and known != base_hash:
+            return "local model is not the delta's base (hash mismatch)"
+        incoming = os.path.join(self._tmpdir, "incoming")
+        os.makedirs(incoming, exist_ok=True)
+        delta_path = os.path.join(incoming, "sync-delta.zst")
+        try:
+            transfer.fetch(delta_url, delta_path, config=self._transfer, abort=self._stop_event)
+            apply_sync_delta(
+                session.model_path,
+                delta_path,
+                base_hash=base_hash,
+                result_hash=result_hash,
+                abort=self._stop_event,
+                known_base_hash=known,
+            )
+        except Stopped:
+            raise
+        except Exception as exc:
+            info = error_info(exc)
+            logger.warning("sync delta not applied (%s): %s", info.code, info.message)
+            return f"{info.code}: {info.message}"
+        finally:
+            if os.path.exists(delta_path):
+                os.unlink(delta_path)
+        session.model_hash = result_hash
+        session.fingerprint = model_fingerprint(session.model_path)
+        return None
+
+    def _full_update(self, model_url: str, result_hash: str | None) -> str:
+        """Download the full model beside the current one, check it, then swap it in."""
+        with self._staging() as staging:
+            artifact = self._fetch_model(model_url, "model-full", staging)
+            model_hash = file_state_hash(artifact.model_path)
+            if result_hash and model_hash != result_hash:
+                raise HashMismatch(
+                    "the full model does not match result_hash; the local model is unchanged",
+                    {"expected": result_hash, "got": model_hash},
+                )
+            target, bundle_root = self._install(artifact)
+        session = self._session
+        if session is not None:
+            session.model_path = target
+            session.model_hash = model_hash
+            session.fingerprint = model_fingerprint(target)
+            session.bundle_root = bundle_root
+            session.preprocessor_config = artifact.preprocessor_config
+        return model_hash
+
+    def _update_session(
+        self, params: dict[str, Any] | None, descriptors: list[ShardDescriptor] | None
+    ) -> None:
+        session = self._session
+        if session is None:
+            return
+        if params is not None:
+            session.params = params
+        if descriptors is not None:
+            session.dataset.replace_descriptors(descriptors)
+        self._write_manifest()
+
+    # ------------------------------------------------------------ model and data access
+
+    def get_original_state(self) -> dict[str, torch.Tensor] | None:
+        """The pre-round state from the model file (mmap-backed, loaded on demand)."""
+        if self.original_state is None and self._session is not None:
+            from safetensors.torch import load_file
+
+            self.original_state = load_file(self._session.model_path)
+        return self.original_state
+
+    def get_shard(self, i: int) -> Any:
+        """One decoded shard; only one is held in memory at a time."""
+        return self._require_session().dataset.get(i)
+
+    def get_shard_path(self, i: int) -> str:
+        """A shard's file on disk (pinned), for the sandboxed runner."""
+        return self._require_session().dataset.path(i)
+
+    def _require_session(self) -> Session:
+        if self._session is None:
+            raise InvalidRequest("no model is loaded: send load_model first")
+        return self._session
+
+    def _materialize_model(self, loaded: Any) -> torch.nn.Module:
+        session = self._require_session()
+        model, missing, unexpected = artifacts.materialize_model(
+            loaded, params=session.params, bundle_root=session.bundle_root
+        )
+        self._emit_log(f"[INFO] model materialized; missing={len(missing)}, unexpected={len(unexpected)}")
+        return model
+
+    def _place_model(self, model: torch.nn.Module, training: bool = True) -> torch.nn.Module:
+        return placement.place_model(
+            model,
+            training=training,
+            params=self._require_session().params,
+            offload_dir=os.path.join(self._tmpdir, "model-offload"),
+            emit_log=self._emit_log,
+        )
+
+    # ------------------------------------------------------------ stop, reset, shutdown
+
+    def stop(self) -> None:
+        """Stop the round cooperatively: signal, interrupt tenant code, end the runner, join."""
+        self._stop_event.set()
+        process = self._process
+        if process is not None:
+            process.terminate(grace_s=5.0)
+        deadline = time.monotonic() + self.settings.stop_join_timeout_s
+        thread = self._thread
+        # Re-deliver periodically: tenant code may catch one StopExecution in a bare except.
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            self._shield.interrupt()
+            thread.join(timeout=0.25)
+        session = self._session
+        if session is not None:
+            session.dataset.wait_prefetch(max(0.0, deadline - time.monotonic()))
+
+    def _lingering_threads(self) -> list[str]:
+        threads = [self._thread]
+        if self._session is not None:
+            threads.append(self._session.dataset.prefetch_thread)
+        return [t.name for t in threads if t is not None and t.is_alive()]
+
+    def reset(self, *, tenant: str | None = None) -> int:
+        """The tenant boundary: stop, then wipe the work dir, the tenant's cache entries and
+        GPU memory. Returns the bytes wiped; raises ``CleanupFailed`` when it cannot prove
+        that the round ended (restart the worker then)."""
+        self.stop()
+        lingering = self._lingering_threads()
+        if lingering:
+            raise CleanupFailed("cannot prove task cleanup; restart required for: " + ", ".join(lingering))
+        self._stop_event.clear()
+        owner = tenant or (self._session.tenant if self._session else None)
+        self._close_session()
+        wiped = tree_bytes(self._tmpdir)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        os.makedirs(self._tmpdir, mode=0o700, exist_ok=True)
+        if owner and not self._cache_private:
+            wiped += self._cache.remove_tenant(owner)
+        self.original_state = self.modified_state = None
+        self.report = self.execution_error = None
+        self._outputs = RoundOutputs()
+        self._thread = None
+        self._process = None
+        gc.collect()
+        placement.empty_device_cache()
+        return wiped
+
+    def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)
+
+    def shutdown(self) -> None:
+        """``stop`` + remove the work dir. Idempotent."""
+        self.stop()
+        lingering = self._lingering_threads()
+        if lingering:
+            raise CleanupFailed("cannot safely close while workload threads remain: " + ", ".join(lingering))
+        self._close_session()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def status(self) -> dict[str, Any]:
+        session = self._session
+        return {
+            "host_id": self._host_id,
+            "pid": os.getpid(),
+            "state": self.state.value,
+            "model_hash": session.model_hash if session else None,
+            "tenant": session.tenant if session else None,
+            "num_shards": session.dataset.num_shards if session else 0,
+            "cache": self._cache.stats().to_json(),
+        }

@@ -1,0 +1,200 @@
+"""One session's dataset: the shards it may ask for, pins on the current and the next,
+a one-ahead prefetch, and the single decoded shard held in memory.
+
+The GPU should never wait on I/O: whenever shard ``i`` is handed out, shard
+``i + 1`` starts downloading in the background, so a round whose compute per
+shard is longer than a fetch finds every later shard already on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from executor.errors import BadArtifact, RoundhouseError, ShardIndexError, Stopped
+from executor.shards import Pin, Progress, ShardCache, ShardDescriptor
+
+logger = logging.getLogger(__name__)
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def load_shard_file(path: str) -> Any:
+    """Decode one shard file: a ``torch.save`` object (weights_only, mmap when possible) or safetensors."""
+    with open(path, "rb") as file:
+        magic = file.read(8)
+    try:
+        if magic.startswith(_ZIP_MAGIC):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if magic[:1] == b"\x80":  # the legacy (pre-zip) torch.save format cannot be mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    except Exception as exc:
+        raise BadArtifact(f"shard is neither a weights-only torch file nor safetensors: {exc}") from None
+
+
+class ShardSession:
+    """The executor's view of the cache for one loaded session (tenant + descriptors)."""
+
+    def __init__(
+        self,
+        cache: ShardCache,
+        tenant: str,
+        descriptors: Sequence[ShardDescriptor],
+        *,
+        abort: threading.Event,
+        progress: Progress | None = None,
+    ) -> None:
+        self.cache = cache
+        self.tenant = tenant
+        self.descriptors = list(descriptors)
+        self._abort = abort
+        self._progress = progress
+        self._lock = threading.Lock()
+        self._pins: dict[int, Pin] = {}
+        self._prefetch: threading.Thread | None = None
+        self._decoded_index: int | None = None
+        self._decoded: Any = None
+        self._current: int | None = None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.descriptors)
+
+    @property
+    def prefetch_thread(self) -> threading.Thread | None:
+        return self._prefetch
+
+    def check_index(self, index: object) -> int:
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise ShardIndexError(f"shard index must be an integer, got {type(index).__name__}")
+        if not 0 <= index < self.num_shards:
+            raise ShardIndexError(
+                f"shard index {index} out of range (num_shards={self.num_shards})",
+                {"index": index, "num_shards": self.num_shards},
+            )
+        return index
+
+    def next_index(self, index: int) -> int:
+        return (index + 1) % self.num_shards
+
+    def path(self, index: int, *, prefetch: bool = True) -> str:
+        """The shard's file on disk, pinned with its successor; starts the prefetch of the next."""
+        index = self.check_index(index)
+        self._current = index
+        pin = self._ensure(index)
+        keep = self._wanted()
+        with self._lock:
+            for other in [i for i in self._pins if i not in keep]:
+                self._pins.pop(other).release()
+        if prefetch and self.num_shards > 1:
+            self._start_prefetch(self.next_index(index))
+        return pin.path
+
+    def get(self, index: int) -> Any:
+        """The decoded shard; only one is held in memory, the previous one is dropped first."""
+        index = self.check_index(index)
+        if self._decoded_index == index:
+            return self._decoded
+        # Drop the old shard before loading the new one: holding both doubles the peak.
+        self._decoded_index, self._decoded = None, None
+        path = self.path(index)
+        try:
+            data = load_shard_file(path)
+        except BadArtifact:
+            self._forget(index)
+            raise
+        self._decoded_index, self._decoded = index, data
+        return data
+
+    def _wanted(self) -> set[int]:
+        current = self._current
+        return set() if current is None else {current, self.next_index(current)}
+
+    def _ensure(self, index: int) -> Pin:
+        with self._lock:
+            pin = self._pins.get(index)
+        if pin is not None and not pin.released:
+            return pin
+        pin = self.cache.acquire(
+            self.tenant, self.descriptors[index], abort=self._abort, progress=self._progress
+        )
+        with self._lock:
+            old = self._pins.get(index)
+            if old is not None and not old.released:
+                pin.release()  # the prefetch won the race; keep its pin
+                return old
+            self._pins[index] = pin
+        return pin
+
+    def _forget(self, index: int) -> None:
+        with self._lock:
+            pin = self._pins.pop(index, None)
+        if pin is not None:
+            pin.release()
+        self.cache.invalidate(self.tenant, self.descriptors[index])
+
+    def _start_prefetch(self, index: int) -> None:
+        with self._lock:
+            if index in self._pins or (self._prefetch is not None and self._prefetch.is_alive()):
+                return
+            self._prefetch = threading.Thread(
+                target=self._prefetch_one, args=(index,), name="shard-prefetch", daemon=True
+            )
+            self._prefetch.start()
+
+    def _prefetch_one(self, index: int) -> None:
+        # Best effort: the on-demand path still works when a prefetch fails.
+        try:
+            pin = self._ensure(index)
+            if index not in self._wanted():  # the reader moved on meanwhile
+                with self._lock:
+                    if self._pins.get(index) is pin:
+                        del self._pins[index]
+                pin.release()
+        except Stopped:
+            pass
+        except RoundhouseError as exc:
+            logger.info("prefetch of shard %d failed: %s", index, exc)
+        except Exception:
+            logger.warning("prefetch of shard %d failed", index, exc_info=True)
+
+    def replace_descriptors(self, descriptors: Sequence[ShardDescriptor]) -> None:
+        """New presigned URLs for the same shards (they expire during long runs); pins stay
+        when the shards are the same ones (same keys)."""
+        if [d.key for d in descriptors] != [d.key for d in self.descriptors]:
+            with self._lock:
+                for pin in self._pins.values():
+                    pin.release()
+                self._pins.clear()
+            self._current = None
+            self._decoded_index, self._decoded = None, None
+        self.descriptors = list(descriptors)
+
+    def stage(self, index: int) -> int:
+        """Pin (download) one shard at load time and prefetch its successor."""
+        self.path(index)
+        return index
+
+    def wait_prefetch(self, timeout_s: float | None = None) -> bool:
+        thread = self._prefetch
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Release pins and memory; False when the prefetch thread did not end in time."""
+        ended = self.wait_prefetch(timeout_s)
+        with self._lock:
+            for pin in self._pins.values():
+                pin.release()
+            self._pins.clear()
+        self._decoded_index, self._decoded = None, None
+        return ended

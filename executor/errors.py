@@ -1,0 +1,145 @@
+"""The one error tree of Roundhouse.
+
+Every failure that can reach an orchestrator is a ``RoundhouseError`` with a
+stable ``code`` (DESIGN §3). The tree::
+
+    RoundhouseError                       internal_error
+    ├── InvalidRequest                    invalid_request
+    │   ├── ScriptRejected                invalid_request   (guard: size, syntax)
+    │   ├── ShardIndexError               invalid_request   (also an IndexError, as in the seed)
+    │   └── CacheTooSmall                 invalid_request   (limit cannot hold two shards)
+    ├── DownloadFailed                    download_failed   (retries spent, HTTP 4xx/5xx)
+    ├── UploadFailed                      download_failed   (PUT of a result delta)
+    ├── BadArtifact                       bad_artifact      (model, bundle, shard or delta unreadable)
+    ├── HashMismatch                      hash_mismatch
+    ├── UserCodeError                     user_code_error
+    ├── GpuOutOfMemory                    gpu_oom
+    ├── SandboxRunnerError                sandbox_runner_error
+    ├── SandboxProtocolError              sandbox_protocol_error
+    ├── CleanupFailed                     internal_error    (reset cannot prove the round ended)
+    └── Stopped                           stopped           (an explicit stop; never retried)
+
+    StopExecution (BaseException)         raised inside user code on stop, so that a
+                                          tenant's ``except Exception`` cannot swallow it
+
+Every exception pickles with its message and details intact, because Celery
+serialises exceptions between the prefork child and the MainProcess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """The JSON shape of an error in a task result: ``{"code", "message", "details"?}``."""
+
+    code: str
+    message: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details:
+            out["details"] = dict(self.details)
+        return out
+
+
+class RoundhouseError(Exception):
+    """Base of every Roundhouse failure; ``code`` is stable and machine-readable."""
+
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, details: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = dict(details or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses keep the (message, details) constructor, so one rule pickles all.
+        return (type(self), (self.message, self.details))
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(self.code, self.message, self.details)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.info().to_json()
+
+
+class InvalidRequest(RoundhouseError):
+    code = "invalid_request"
+
+
+class ScriptRejected(InvalidRequest):
+    """The guard refused user code before it ran (size, encoding, syntax)."""
+
+
+class ShardIndexError(InvalidRequest, IndexError):
+    """A shard index outside ``range(num_shards)``."""
+
+
+class CacheTooSmall(InvalidRequest):
+    """The shard cache limit cannot hold the current and the next shard."""
+
+
+class DownloadFailed(RoundhouseError):
+    """A transfer failed for good; the message names the URL's host, never its query."""
+
+    code = "download_failed"
+
+
+class UploadFailed(DownloadFailed):
+    pass
+
+
+class BadArtifact(RoundhouseError):
+    code = "bad_artifact"
+
+
+class HashMismatch(RoundhouseError):
+    code = "hash_mismatch"
+
+
+class UserCodeError(RoundhouseError):
+    code = "user_code_error"
+
+
+class GpuOutOfMemory(RoundhouseError):
+    code = "gpu_oom"
+
+
+class SandboxRunnerError(RoundhouseError):
+    code = "sandbox_runner_error"
+
+
+class SandboxProtocolError(RoundhouseError):
+    code = "sandbox_protocol_error"
+
+
+class CleanupFailed(RoundhouseError):
+    """``reset``/``shutdown`` could not prove that the round's threads ended: restart the worker."""
+
+
+class Stopped(RoundhouseError):
+    """An explicit stop: transfers abort instead of retrying or falling back."""
+
+    code = "stopped"
+
+
+class StopExecution(BaseException):
+    """Raised inside user code when the round is stopped.
+
+    A BaseException so that user ``except Exception`` blocks do not swallow it.
+    """
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """Map any exception to the error shape of a task result."""
+    if isinstance(exc, RoundhouseError):
+        return exc.info()
+    if isinstance(exc, StopExecution):
+        return ErrorInfo(Stopped.code, "stopped by request")
+    return ErrorInfo(RoundhouseError.code, f"{type(exc).__name__}: {exc}")

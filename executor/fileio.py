@@ -1,0 +1,72 @@
+"""Atomic file writes: a unique temp name beside the target, ``os.replace``, unlink in ``finally``.
+
+A reader (another process, or this one after a crash) sees either the old file
+or the complete new one, never a prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_path_for(path: str) -> str:
+    """A fresh, unique, already-created temp file in ``path``'s directory."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=directory)
+    os.close(fd)
+    return tmp
+
+
+@contextmanager
+def atomic_writer(path: str) -> Iterator[IO[bytes]]:
+    """Yield a binary file; on a clean exit it replaces ``path`` whole, on error nothing changes."""
+    tmp = temp_path_for(path)
+    try:
+        with open(tmp, "wb") as file:
+            yield file
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    with atomic_writer(path) as file:
+        file.write(data)
+
+
+def atomic_write_json(path: str, value: Any) -> None:
+    atomic_write_bytes(path, json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
+
+
+def read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def remove_quietly(path: str) -> int:
+    """Unlink ``path`` if it is there; returns the bytes freed."""
+    try:
+        size = os.lstat(path).st_size
+        os.unlink(path)
+        return size
+    except FileNotFoundError:
+        return 0
+
+
+def tree_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total

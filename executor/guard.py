@@ -1,0 +1,58 @@
+"""The script guard: early, clear errors for tenant code, and how that code is run.
+
+This is NOT a security boundary. ``validate_script`` rejects code that cannot
+run (too large, not text, a syntax error) at ``load_model`` time, so that the
+tenant hears about it before any download or GPU time is spent. Isolation from
+the host is the sandbox's job (``executor.sandbox``, DESIGN §8); in-thread
+execution (sandbox ``off``) trusts the code with everything the worker has.
+"""
+
+from __future__ import annotations
+
+import ast
+from types import CodeType
+from typing import Any
+
+from executor.errors import ScriptRejected, UserCodeError
+
+SCRIPT_FILENAME = "<round-script>"
+
+
+def validate_script(code: object, *, max_bytes: int = 1024 * 1024) -> CodeType:
+    """Check user code and compile it; raises ``ScriptRejected`` (code ``invalid_request``)."""
+    if not isinstance(code, str):
+        raise ScriptRejected(f"code must be a string, got {type(code).__name__}")
+    size = len(code.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise ScriptRejected(f"code is {size} bytes, the limit is {max_bytes}", {"bytes": size})
+    if "\x00" in code:
+        raise ScriptRejected("code contains a NUL character")
+    if not code.strip():
+        raise ScriptRejected("code is empty")
+    try:
+        tree = ast.parse(code, filename=SCRIPT_FILENAME, mode="exec")
+        return compile(tree, SCRIPT_FILENAME, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        line = (exc.text or "").rstrip("\n")
+        raise ScriptRejected(
+            f"syntax error in code at line {exc.lineno}: {exc.msg}",
+            {"line": exc.lineno, "offset": exc.offset, "text": line[:200]},
+        ) from None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise ScriptRejected(f"code cannot be compiled: {exc}") from None
+
+
+def execute_script(code: str | CodeType, namespace: dict[str, Any]) -> None:
+    """Run user code in ``namespace`` (its globals). ``SystemExit(0)`` is a normal end.
+
+    Exceptions propagate unchanged (the caller maps them to error codes);
+    a non-zero ``sys.exit`` becomes ``UserCodeError``.
+    """
+    compiled = validate_script(code) if isinstance(code, str) else code
+    namespace.setdefault("__name__", "__roundhouse__")
+    namespace.setdefault("__builtins__", __builtins__)
+    try:
+        exec(compiled, namespace)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise UserCodeError(f"code called sys.exit({exc.code!r})", {"exit_code": str(exc.code)}) from None

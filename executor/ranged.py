@@ -1,0 +1,224 @@
+"""Parallel ranged download: one file, N contiguous segments, one connection and one thread each.
+
+Every segment retries on its own and resumes with ``Range: bytes=<done>-<end>``; the
+sidecar records each segment's progress, so a crashed download resumes segment-wise.
+The partial file is preallocated so that segments can ``pwrite`` at their offsets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
+
+import requests
+
+from executor.errors import DownloadFailed, Stopped
+from executor.httpio import (
+    MIB,
+    Cancel,
+    HaltedError,
+    SourceChangedError,
+    TransientError,
+    announced_total,
+    check_status,
+    content_range,
+    copy_body,
+    new_session,
+    redact_url,
+    request_headers,
+    run_attempts,
+    track_response,
+    tracking,
+)
+from executor.partial import ProgressMeter, Sidecar
+
+if TYPE_CHECKING:
+    from executor.transfer import TransferConfig
+
+logger = logging.getLogger("executor.transfer")
+
+SEGMENT_ALIGN_BYTES = 64 * 1024
+# A crash loses at most this much progress per segment, and the sidecar is not
+# rewritten after every read.
+RECORD_EVERY_BYTES = 4 * MIB
+# How soon the supervisor notices a plain (callback-less) abort Event.
+SUPERVISOR_POLL_S = 0.05
+
+
+def plan_segments(total_bytes: int, connections: int) -> list[list[int]]:
+    """Split ``[0, total_bytes)`` into at most ``connections`` aligned ``[start, end, 0]`` segments."""
+    count = max(1, min(connections, -(-total_bytes // SEGMENT_ALIGN_BYTES)))
+    size = -(-total_bytes // count)
+    size = -(-size // SEGMENT_ALIGN_BYTES) * SEGMENT_ALIGN_BYTES
+    return [[start, min(start + size, total_bytes), 0] for start in range(0, total_bytes, size)]
+
+
+def preallocate(path: str, total_bytes: int) -> None:
+    """Create ``path`` empty and reserve ``total_bytes`` (so a full disk fails now, not mid-way)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, total_bytes)
+        except OSError:  # filesystems without fallocate (some network mounts)
+            os.ftruncate(fd, total_bytes)
+    finally:
+        os.close(fd)
+
+
+class RangedDownload:
+    """Fetch the incomplete segments of ``sidecar`` into ``partial``, in parallel."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        partial: str,
+        sidecar_path: str,
+        sidecar: Sidecar,
+        config: TransferConfig,
+        abort: threading.Event | None,
+        meter: ProgressMeter,
+    ) -> None:
+        if sidecar.segments is None or sidecar.total is None:
+            raise ValueError("a ranged download needs a total size and planned segments")
+        self.url = url
+        self.partial = partial
+        self.sidecar_path = sidecar_path
+        self.sidecar = sidecar
+        self.segments: list[list[int]] = sidecar.segments
+        self.config = config
+        self.abort = abort
+        self.meter = meter
+        self._lock = threading.Lock()
+        self._recorded = [seg[2] for seg in self.segments]
+        self._first: requests.Response | None = None
+
+    def run(self, first: requests.Response | None = None) -> int:
+        """Download; ``first`` is an open 200 response whose body becomes segment 0.
+
+        Returns the number of connections used; raises ``Stopped``, ``SourceChangedError``
+        or the ``DownloadFailed`` of the first segment that spent its retries.
+        """
+        self._first = first
+        self.meter.reset(sum(seg[2] for seg in self.segments), self.sidecar.total)
+        todo = [i for i, (start, end, done) in enumerate(self.segments) if start + done < end]
+        try:
+            if first is not None:
+                preallocate(self.partial, self.segments[-1][1])
+            with self._lock:
+                self.sidecar.save(self.sidecar_path)
+            fd = os.open(self.partial, os.O_RDWR)
+            try:
+                errors = self._supervise(fd, todo) if todo else []
+            finally:
+                os.close(fd)
+                with self._lock:
+                    self.sidecar.save(self.sidecar_path)
+        finally:
+            if self._first is not None:
+                self._first.close()
+        self._raise_first(errors)
+        return len(todo)
+
+    def _supervise(self, fd: int, todo: list[int]) -> list[BaseException]:
+        with Cancel(self.abort, self.url) as cancel:
+            cancel.watched = True  # this loop fires the cancel for a plain Event too
+            with ThreadPoolExecutor(len(todo), thread_name_prefix="roundhouse-segment") as pool:
+                futures = [pool.submit(self._segment, cancel, fd, index) for index in todo]
+                pending: set[Future[None]] = set(futures)
+                while pending:
+                    done, pending = wait(pending, timeout=SUPERVISOR_POLL_S, return_when=FIRST_EXCEPTION)
+                    if cancel.stopped() or any(f.exception() is not None for f in done):
+                        # Siblings of a failed segment stop too: their progress stays recorded.
+                        cancel.fire()
+            stopped = cancel.stopped()
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
+        if stopped and errors:
+            errors.insert(
+                0, Stopped(f"download of {redact_url(self.url)} stopped", {"url": redact_url(self.url)})
+            )
+        return errors
+
+    @staticmethod
+    def _raise_first(errors: list[BaseException]) -> None:
+        for kind in (Stopped, SourceChangedError, DownloadFailed, BaseException):
+            for exc in errors:
+                if isinstance(exc, kind) and not isinstance(exc, HaltedError):
+                    raise exc
+
+    def _segment(self, cancel: Cancel, fd: int, index: int) -> None:
+        buffer = memoryview(bytearray(self.config.buffer_bytes))
+        with new_session() as session, tracking(cancel.registry):
+            run_attempts(
+                lambda attempt: self._attempt(session, cancel, fd, index, buffer),
+                url=self.url,
+                config=self.config,
+                cancel=cancel,
+            )
+
+    def _take_first(self, index: int) -> requests.Response | None:
+        if index != 0:
+            return None
+        with self._lock:
+            first, self._first = self._first, None
+        return first
+
+    def _attempt(
+        self, session: requests.Session, cancel: Cancel, fd: int, index: int, buffer: memoryview
+    ) -> None:
+        start, end, done = self.segments[index]
+        pos = start + done
+        if pos >= end:
+            return
+        response = self._take_first(index)
+        if response is None:
+            response = session.get(
+                self.url,
+                headers=request_headers(pos, end - 1, self.sidecar.validator()),
+                stream=True,
+                timeout=(self.config.connect_timeout_s, self.config.read_timeout_s),
+            )
+        with contextlib.closing(response):
+            track_response(response)
+            if response.status_code == 416:  # our range lies beyond the end: the file shrank
+                raise SourceChangedError()
+            check_status(response)
+            pos = copy_body(
+                response,
+                fd=fd,
+                pos=pos,
+                end=end,
+                body_offset=self._body_offset(response, pos),
+                buffer=buffer,
+                cancel=cancel,
+                on_written=lambda count: self._advance(index, count),
+            )
+        if pos < end:
+            raise TransientError(f"segment {index} ended at byte {pos} of {start}-{end - 1}")
+
+    def _body_offset(self, response: requests.Response, pos: int) -> int:
+        """The file offset of the body's first byte, after checking it is still our file."""
+        if not self.sidecar.same_source(response, announced_total(response)):
+            raise SourceChangedError()
+        if response.status_code != 206:
+            # A 200 to a ranged request from the same resource: the server ignores
+            # Range here; copy_body skips to our offset.
+            return 0
+        parsed = content_range(response)
+        if parsed is None or parsed[0] != pos:
+            raise TransientError(f"asked for bytes from {pos}, got Content-Range {parsed}")
+        return parsed[0]
+
+    def _advance(self, index: int, count: int) -> None:
+        # Called after the bytes are written, so the sidecar never claims unwritten data.
+        with self._lock:
+            segment = self.segments[index]
+            segment[2] += count
+            if segment[2] - self._recorded[index] >= RECORD_EVERY_BYTES:
+                self._recorded[index] = segment[2]
+                self.sidecar.save(self.sidecar_path)
+        self.meter.add(count)

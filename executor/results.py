@@ -1,0 +1,112 @@
+"""What the executor returns: frozen dataclasses with ``to_json()``, and its states.
+
+These are the JSON results of the task contract (DESIGN §3); ``tasks/`` returns
+``result.to_json()`` unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from executor.errors import ErrorInfo
+
+
+class ExecutorState(StrEnum):
+    IDLE = "idle"
+    LOADED = "loaded"
+    RUNNING = "running"
+
+
+class RoundStatus(StrEnum):
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class ApplyVia(StrEnum):
+    DELTA = "delta"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    model_hash: str
+    model_keys: int
+    model_bytes: int
+    staged_shard: int | None
+    seconds: float
+    source_format: str = "safetensors"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_hash": self.model_hash,
+            "model_keys": self.model_keys,
+            "model_bytes": self.model_bytes,
+            "staged_shard": self.staged_shard,
+            "seconds": round(self.seconds, 6),
+            "source_format": self.source_format,
+        }
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    """The trained delta of a round: uploaded to ``url`` or kept at ``path``."""
+
+    bytes: int
+    hash: str
+    dtype: str
+    keys: int
+    url: str | None = None
+    path: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}
+        if self.url is not None:
+            out["url"] = self.url
+        if self.path is not None:
+            out["path"] = self.path
+        return out
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    status: RoundStatus
+    training_time: float
+    report: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    delta: DeltaInfo | None = None
+    round_num: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status.value,
+            "training_time": round(self.training_time, 6),
+            "report": self.report,
+            "error": self.error.to_json() if self.error else None,
+            "delta": self.delta.to_json() if self.delta else None,
+            "round": self.round_num,
+        }
+
+
+@dataclass(frozen=True)
+class ApplyOutcome:
+    via: ApplyVia
+    model_hash: str
+    seconds: float
+    # Why the delta path was not used, when it was not (a hash mismatch, a missing base, ...).
+    fallback_reason: str | None = None
+    noop: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "via": self.via.value,
+            "model_hash": self.model_hash,
+            "seconds": round(self.seconds, 6),
+        }
+        if self.fallback_reason:
+            out["fallback_reason"] = self.fallback_reason
+        if self.noop:
+            out["noop"] = True
+        return out

@@ -1,0 +1,360 @@
+"""The persistent, bounded, cross-process shard cache (DESIGN §7).
+
+Entries are keyed by ``(tenant, shard id)``; the id is the descriptor's ``id`` or
+``sha256``, else its URL without the query string (a re-presigned URL is the same
+shard). A shard is downloaded once per host: the first process takes the entry's
+exclusive lock and downloads; the others wait on a shared lock and then read the
+finished file. A held shared lock is a pin: pinned entries are never evicted.
+The space accounting lives in :mod:`executor.ledger`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import zstandard
+
+from executor import transfer
+from executor.errors import BadArtifact, InvalidRequest, Stopped
+from executor.fileio import temp_path_for
+from executor.ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
+from executor.locks import FileLock
+
+logger = logging.getLogger(__name__)
+
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DECODE_CHUNK_BYTES = 4 * 1024 * 1024
+# Reservation growth step when a zstd frame does not record its decoded size.
+GROW_STEP_BYTES = 64 * 1024 * 1024
+
+Progress = Callable[[int, int | None], None]
+
+
+def check_tenant(tenant: str) -> str:
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+        raise InvalidRequest(f"invalid tenant name {tenant!r}: use 1-64 of [A-Za-z0-9_.-]")
+    return tenant
+
+
+def strip_query(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+@dataclass(frozen=True)
+class ShardDescriptor:
+    url: str
+    compression: Literal["none", "zstd"] = "none"
+    size_bytes: int = 0
+    sha256: str | None = None
+    id: str | None = None
+
+    @classmethod
+    def parse(cls, item: object) -> ShardDescriptor:
+        """A URL string or ``{"url", "compression", "size_bytes", "sha256"?, "id"?}``."""
+        if isinstance(item, str):
+            item = {"url": item}
+        if not isinstance(item, Mapping):
+            raise InvalidRequest(f"a dataset shard must be a URL or an object, got {type(item).__name__}")
+        url = item.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest("a dataset shard descriptor needs a non-empty 'url'")
+        compression = item.get("compression") or "none"
+        if compression not in ("none", "zstd"):
+            raise InvalidRequest(f"unsupported shard compression {compression!r} (use 'none' or 'zstd')")
+        size = item.get("size_bytes") or 0
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidRequest("shard size_bytes must be a non-negative integer")
+        sha = item.get("sha256")
+        if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-fA-F]{64}", sha)):
+            raise InvalidRequest("shard sha256 must be 64 hex digits")
+        ident = item.get("id")
+        if ident is not None and (not isinstance(ident, str) or not ident):
+            raise InvalidRequest("shard id must be a non-empty string")
+        kind: Literal["none", "zstd"] = "zstd" if compression == "zstd" else "none"
+        return cls(url, kind, size, sha.lower() if sha else None, ident)
+
+    @property
+    def key(self) -> str:
+        if self.id:
+            return "id:" + self.id
+        if self.sha256:
+            return "sha256:" + self.sha256
+        return "url:" + strip_query(self.url)
+
+    def to_json(self) -> dict[str, Any]:
+        """Without the URL's query: descriptors appear in status and events."""
+        out: dict[str, Any] = {"url": strip_query(self.url), "compression": self.compression}
+        out.update(
+            {
+                k: v
+                for k, v in (("size_bytes", self.size_bytes), ("sha256", self.sha256), ("id", self.id))
+                if v
+            }
+        )
+        return out
+
+
+class Pin:
+    """A held shared lock on a complete entry: the entry cannot be evicted until ``release``."""
+
+    def __init__(self, path: str, size: int, lock: FileLock, on_release: Callable[[Pin], None]) -> None:
+        self.path = path
+        self.size = size
+        self._lock = lock
+        self._on_release = on_release
+
+    def release(self) -> None:
+        if not self._lock.closed:
+            self._on_release(self)
+            self._lock.close()
+
+    @property
+    def released(self) -> bool:
+        return self._lock.closed
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    limit_bytes: int
+    used_bytes: int
+    entries: int
+    hits: int
+    misses: int
+    evictions: int
+    downloaded_bytes: int
+
+    def to_json(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class ShardCache:
+    """One cache directory per host (per GPU); safe to share between processes."""
+
+    def __init__(
+        self,
+        root: str,
+        max_bytes: int,
+        *,
+        transfer_config: transfer.TransferConfig | None = None,
+        wait_timeout_s: float = 120.0,
+    ) -> None:
+        if max_bytes <= 0:
+            raise InvalidRequest("the shard cache limit must be positive")
+        os.makedirs(root, exist_ok=True)
+        self.root = root
+        self.ledger = Ledger(root, max_bytes)
+        self.transfer_config = transfer_config or transfer.TransferConfig()
+        self.wait_timeout_s = wait_timeout_s
+        self._pins_lock = threading.Lock()
+        self._pinned: dict[int, tuple[str, int]] = {}  # this process's pins: id -> (path, bytes)
+        self.hits = self.misses = self.downloaded_bytes = 0
+        removed = self.ledger.clean_orphans()
+        if removed:
+            logger.info("shard cache: removed %d orphaned temp files", removed)
+
+    @property
+    def max_bytes(self) -> int:
+        return self.ledger.max_bytes
+
+    def entry_path(self, tenant: str, descriptor: ShardDescriptor) -> str:
+        digest = hashlib.sha256(descriptor.key.encode()).hexdigest()[:40]
+        return os.path.join(self.ledger.tenants_dir, check_tenant(tenant), digest + ENTRY_SUFFIX)
+
+    def acquire(
+        self,
+        tenant: str,
+        descriptor: ShardDescriptor,
+        *,
+        abort: threading.Event | None = None,
+        progress: Progress | None = None,
+    ) -> Pin:
+        """The shard on disk, pinned; downloaded (once per host) when missing."""
+        path = self.entry_path(tenant, descriptor)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = FileLock(path[: -len(ENTRY_SUFFIX)] + LOCK_SUFFIX)
+        try:
+            lock.acquire(shared=True, abort=abort)
+            if os.path.exists(path):
+                self.hits += 1
+                return self._pin(path, lock)
+            lock.release()
+            lock.acquire(abort=abort)
+            if not os.path.exists(path):
+                self.misses += 1
+                self._download(tenant, descriptor, path, abort, progress)
+            with self.ledger.locked():
+                # Downgrade under the global lock so that no evictor slips in between.
+                lock.release()
+                lock.acquire(shared=True)
+            return self._pin(path, lock)
+        except BaseException:
+            lock.close()
+            raise
+
+    def _pin(self, path: str, lock: FileLock) -> Pin:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recency for the LRU
+        pin = Pin(path, os.path.getsize(path), lock, self._unpinned)
+        with self._pins_lock:
+            self._pinned[id(pin)] = (path, pin.size)
+        return pin
+
+    def _unpinned(self, pin: Pin) -> None:
+        with self._pins_lock:
+            self._pinned.pop(id(pin), None)
+
+    def pinned_bytes(self, exclude: str | None = None) -> int:
+        with self._pins_lock:
+            return sum(size for path, size in set(self._pinned.values()) if path != exclude)
+
+    def _download(
+        self,
+        tenant: str,
+        descriptor: ShardDescriptor,
+        path: str,
+        abort: threading.Event | None,
+        progress: Progress | None,
+    ) -> None:
+        size = descriptor.size_bytes or transfer.remote_size(
+            descriptor.url, config=self.transfer_config, abort=abort
+        )
+        if size is None:
+            raise InvalidRequest(
+                f"size of shard {transfer.redact_url(descriptor.url)} is unknown: give size_bytes in the "
+                "descriptor (the cache must reserve space before downloading)"
+            )
+        digest = os.path.basename(path)[: -len(ENTRY_SUFFIX)]
+        pinned = self.pinned_bytes(exclude=path)
+        reservation = self.ledger.reserve(
+            tenant, digest, size, pinned_bytes=pinned, abort=abort, wait_timeout_s=self.wait_timeout_s
+        )
+        try:
+            if descriptor.compression == "none":
+                result = transfer.fetch(
+                    descriptor.url,
+                    path,
+                    config=self.transfer_config,
+                    abort=abort,
+                    sha256=descriptor.sha256,
+                    size=size,
+                    progress=progress,
+                )
+                self.downloaded_bytes += result.bytes - result.resumed_bytes
+                return
+            packed = path[: -len(ENTRY_SUFFIX)] + ".zst"
+            result = transfer.fetch(
+                descriptor.url,
+                packed,
+                config=self.transfer_config,
+                abort=abort,
+                sha256=descriptor.sha256,
+                size=size,
+                progress=progress,
+            )
+            self.downloaded_bytes += result.bytes - result.resumed_bytes
+            try:
+                self._decompress(packed, path, reservation, size, pinned, abort)
+            finally:
+                os.unlink(packed)
+        finally:
+            self.ledger.release(reservation)
+
+    def _decompress(
+        self,
+        packed: str,
+        path: str,
+        reservation: Reservation,
+        packed_size: int,
+        pinned: int,
+        abort: threading.Event | None,
+    ) -> None:
+        """Stream-decode ``packed`` into ``path`` with one reused buffer; room is reserved first."""
+        with open(packed, "rb") as source:
+            try:
+                params = zstandard.get_frame_parameters(source.read(18))
+            except zstandard.ZstdError as exc:
+                raise BadArtifact(f"shard is not valid zstd: {exc}") from None
+            decoded = params.content_size if params.content_size != zstandard.CONTENTSIZE_UNKNOWN else None
+            budget = packed_size + (decoded if decoded is not None else GROW_STEP_BYTES)
+            self._grow(reservation, budget, pinned, abort)
+            source.seek(0)
+            tmp = temp_path_for(path)
+            try:
+                written = self._decode_stream(source, tmp, reservation, packed_size, pinned, abort)
+                if decoded is not None and written != decoded:
+                    raise BadArtifact(f"shard decoded to {written} bytes, its frame says {decoded}")
+                os.replace(tmp, path)
+            finally:
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+
+    def _decode_stream(
+        self,
+        source: Any,
+        tmp: str,
+        reservation: Reservation,
+        packed_size: int,
+        pinned: int,
+        abort: threading.Event | None,
+    ) -> int:
+        buffer = bytearray(DECODE_CHUNK_BYTES)
+        view = memoryview(buffer)
+        written = 0
+        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
+        with reader, open(tmp, "wb") as out:
+            while True:
+                if abort is not None and abort.is_set():
+                    raise Stopped("stopped while decoding a shard")
+                try:
+                    count = reader.readinto(view)
+                except zstandard.ZstdError as exc:
+                    raise BadArtifact(f"shard is not valid zstd: {exc}") from None
+                if not count:
+                    return written
+                if packed_size + written + count > reservation.bytes:
+                    self._grow(reservation, packed_size + written + count + GROW_STEP_BYTES, pinned, abort)
+                out.write(view[:count])
+                written += count
+
+    def _grow(
+        self, reservation: Reservation, nbytes: int, pinned: int, abort: threading.Event | None
+    ) -> None:
+        self.ledger.grow(
+            reservation, nbytes, pinned_bytes=pinned, abort=abort, wait_timeout_s=self.wait_timeout_s
+        )
+
+    def invalidate(self, tenant: str, descriptor: ShardDescriptor) -> None:
+        """Drop an entry found corrupt on decode, so the next request downloads it again."""
+        path = self.entry_path(tenant, descriptor)
+        with self.ledger.locked():
+            usage = self.ledger.scan()
+            digest = os.path.basename(path)[: -len(ENTRY_SUFFIX)]
+            group = usage.groups.get((tenant, digest))
+            if group is not None:
+                self.ledger.evict_group(group)
+
+    def remove_tenant(self, tenant: str) -> int:
+        return self.ledger.remove_tenant(check_tenant(tenant))
+
+    def stats(self) -> CacheStats:
+        with self.ledger.locked():
+            usage = self.ledger.scan()
+        return CacheStats(
+            self.max_bytes,
+            usage.total_bytes,
+            usage.entries,
+            self.hits,
+            self.misses,
+            self.ledger.evictions,
+            self.downloaded_bytes,
+        )

@@ -1,0 +1,244 @@
+"""One HTTP download into the partial file: a sequential GET resumed with ``Range`` after
+each failure, which hands over to :mod:`executor.ranged` when the file is large and
+the server takes ranges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import requests
+
+from executor.errors import DownloadFailed
+from executor.httpio import (
+    RETRYABLE,
+    Cancel,
+    SourceChangedError,
+    TransientError,
+    announced_total,
+    check_status,
+    content_range,
+    copy_body,
+    redact_url,
+    request_headers,
+    run_attempts,
+    thread_session,
+    track_response,
+    tracking,
+    unsatisfied_total,
+    url_host,
+)
+from executor.partial import ProgressMeter, Sidecar, discard, partial_paths, resumable
+from executor.ranged import RangedDownload, plan_segments
+
+if TYPE_CHECKING:
+    from executor.transfer import TransferConfig
+
+logger = logging.getLogger("executor.transfer")
+
+
+def download(
+    url: str, dest: str, config: TransferConfig, cancel: Cancel, meter: ProgressMeter, size: int | None
+) -> tuple[int, int]:
+    """Fill the partial file; returns ``(resumed_bytes, connections)``."""
+    partial, sidecar_path = partial_paths(dest)
+    for restarted in (False, True):
+        sidecar = resumable(url, partial, sidecar_path, size)
+        try:
+            if sidecar is not None and sidecar.segments is not None:
+                resumed_bytes = sum(segment[2] for segment in sidecar.segments)
+                ranged = RangedDownload(
+                    url=url,
+                    partial=partial,
+                    sidecar_path=sidecar_path,
+                    sidecar=sidecar,
+                    config=config,
+                    abort=cancel.abort,
+                    meter=meter,
+                )
+                return resumed_bytes, ranged.run()
+            return _Stream(url, dest, sidecar, config, cancel, meter, size).run()
+        except SourceChangedError:
+            discard(partial, sidecar_path)
+            if restarted:
+                raise DownloadFailed(
+                    f"download of {redact_url(url)} failed: the file changed on the server twice",
+                    {"url": redact_url(url), "host": url_host(url), "status": None},
+                ) from None
+            logger.info("%s changed on the server; starting over", redact_url(url))
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class _Handover:
+    """A fresh 200 response, still unread, that becomes segment 0 of a ranged download."""
+
+    response: requests.Response
+    sidecar: Sidecar
+
+
+class _Stream:
+    """One sequential GET into the partial file, resumed with ``Range`` after each failure."""
+
+    def __init__(
+        self,
+        url: str,
+        dest: str,
+        sidecar: Sidecar | None,
+        config: TransferConfig,
+        cancel: Cancel,
+        meter: ProgressMeter,
+        size: int | None,
+    ) -> None:
+        self.url = url
+        self.partial, self.sidecar_path = partial_paths(dest)
+        self.sidecar = sidecar
+        self.config = config
+        self.cancel = cancel
+        self.meter = meter
+        self.size = size
+        self.session = thread_session()
+        self.buffer = memoryview(bytearray(config.buffer_bytes))
+        self.resumed_bytes: int | None = None
+
+    def run(self) -> tuple[int, int]:
+        flags = os.O_RDWR | os.O_CREAT | (0 if self.sidecar else os.O_TRUNC)
+        fd = os.open(self.partial, flags, 0o644)
+        try:
+            with tracking(self.cancel.registry):
+                handover = run_attempts(
+                    lambda attempt: self._attempt(fd), url=self.url, config=self.config, cancel=self.cancel
+                )
+        finally:
+            os.close(fd)
+        if handover is None:
+            return self.resumed_bytes or 0, 1
+        ranged = RangedDownload(
+            url=self.url,
+            partial=self.partial,
+            sidecar_path=self.sidecar_path,
+            sidecar=handover.sidecar,
+            config=self.config,
+            abort=self.cancel.abort,
+            meter=self.meter,
+        )
+        return 0, ranged.run(first=handover.response)
+
+    def _attempt(self, fd: int) -> _Handover | None:
+        pos = os.fstat(fd).st_size if self.sidecar else 0
+        validator = self.sidecar.validator() if self.sidecar else None
+        response = self.session.get(
+            self.url, headers=request_headers(pos, None, validator), stream=True, timeout=self.config.timeout
+        )
+        handover = None
+        try:
+            track_response(response)
+            handover = self._consume(fd, pos, response)
+            return handover
+        finally:
+            if handover is None:
+                response.close()
+
+    def _consume(self, fd: int, pos: int, response: requests.Response) -> _Handover | None:
+        if response.status_code == 416 and pos > 0:
+            self._check_complete(response, pos)
+            return None
+        check_status(response)
+        total = announced_total(response)
+        if response.status_code == 206:
+            parsed = content_range(response)
+            if parsed is None or parsed[0] != pos:
+                raise TransientError(f"asked for bytes from {pos}, got Content-Range {parsed}")
+            if self.sidecar is None or not self.sidecar.same_source(response, total):
+                raise SourceChangedError()
+        else:
+            if pos:
+                # The server ignored Range (or the file changed): its body starts at byte 0.
+                logger.info("%s: server answered a resume with 200; restarting", redact_url(self.url))
+                os.ftruncate(fd, 0)
+                pos = 0
+            if self.size is not None and total is not None and total != self.size:
+                raise TransientError(f"server announces {total} bytes, expected {self.size}")
+            fresh = self.sidecar is None
+            self.sidecar = Sidecar.from_response(self.url, response, total)
+            if fresh and (handover := self._handover(response, total)) is not None:
+                return handover
+            self.sidecar.save(self.sidecar_path)
+        if self.resumed_bytes is None:
+            self.resumed_bytes = pos
+        self.meter.reset(pos, total if total is not None else self.size)
+        pos = copy_body(
+            response,
+            fd=fd,
+            pos=pos,
+            end=None,
+            body_offset=pos,
+            buffer=self.buffer,
+            cancel=self.cancel,
+            on_written=self.meter.add,
+        )
+        self._check_length(fd, pos, total)
+        return None
+
+    def _check_length(self, fd: int, pos: int, total: int | None) -> None:
+        expected = total if total is not None else self.size
+        if expected is not None and pos < expected:
+            raise TransientError(f"body ended at byte {pos} of {expected}")
+        if (expected is not None and pos > expected) or (self.size is not None and pos != self.size):
+            # Complete but the wrong size: what we hold is not worth resuming.
+            os.ftruncate(fd, 0)
+            discard(self.sidecar_path)
+            self.sidecar = None
+            raise TransientError(
+                f"got {pos} bytes, expected {self.size if self.size is not None else expected}"
+            )
+
+    def _check_complete(self, response: requests.Response, pos: int) -> None:
+        """A 416 to ``bytes=<pos>-``: fine only when the partial already holds the whole file."""
+        total = unsatisfied_total(response)
+        if (
+            self.sidecar is not None
+            and total == pos
+            and self.sidecar.total in (None, pos)
+            and self.size in (None, pos)
+        ):
+            if self.resumed_bytes is None:
+                self.resumed_bytes = pos
+            return
+        raise SourceChangedError()
+
+    def _handover(self, response: requests.Response, total: int | None) -> _Handover | None:
+        """Switch to a ranged download when the file is large and the server takes ranges."""
+        total_bytes = total if total is not None else self.size
+        if (
+            total_bytes is None
+            or total_bytes <= 0
+            or total_bytes < self.config.parallel_min_bytes
+            or self.config.parallel_connections < 2
+            or not self._accepts_ranges(response)
+        ):
+            return None
+        sidecar = Sidecar.from_response(self.url, response, total_bytes)
+        sidecar.segments = plan_segments(total_bytes, self.config.parallel_connections)
+        if len(sidecar.segments) < 2:
+            return None
+        return _Handover(response, sidecar)
+
+    def _accepts_ranges(self, response: requests.Response) -> bool:
+        accept = response.headers.get("Accept-Ranges", "").strip().lower()
+        if accept in ("bytes", "none"):
+            return accept == "bytes"
+        # No word either way: ask for one byte (on a second connection; the first stays open).
+        try:
+            with contextlib.closing(
+                self.session.get(
+                    self.url, headers=request_headers(0, 0), stream=True, timeout=self.config.timeout
+                )
+            ) as probe:
+                return probe.status_code == 206
+        except RETRYABLE:
+            return False

@@ -1,0 +1,87 @@
+"""The one Settings object: read once from the environment (prefix ``ROUNDHOUSE_``) and ``.env``.
+
+Everything configurable lives here and is passed in; no other module reads
+``os.environ`` for configuration. Tests build their own ``Settings(...)`` or
+patch the object returned by :func:`get_settings`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+SandboxMode = Literal["auto", "bwrap", "unshare", "off"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="ROUNDHOUSE_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        frozen=True,
+    )
+
+    # Identity and placement
+    host_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "host")
+    gpu: int | None = None
+
+    # Broker, results, events (used by tasks/; the engine does not touch them)
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    result_backend: str | None = None
+    events_url: str | None = None
+
+    # Disk
+    work_dir: str = Field(default_factory=lambda: os.path.join(os.getcwd(), "var", "work"))
+    cache_dir: str = Field(default_factory=lambda: os.path.join(os.getcwd(), "var", "cache"))
+    shard_cache_max_mb: int = 4096
+    cache_wait_timeout_s: float = 120.0
+    stage_first_shard: bool = True
+
+    # Transfers
+    download_retries: int = 3
+    download_backoff_s: float = 2.0
+    connect_timeout_s: float = 30.0
+    read_timeout_s: float = 300.0
+    download_buffer_bytes: int = 4 * MIB
+    parallel_min_bytes: int = 64 * MIB
+    parallel_connections: int = 8
+
+    # User code and artifacts
+    sandbox: SandboxMode = "auto"
+    max_script_bytes: int = 1 * MIB
+    bundle_max_bytes: int = 64 * 1024 * MIB
+    bundle_max_files: int = 10_000
+    stop_join_timeout_s: float = 30.0
+    default_delta_dtype: str = "float16"
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.download_retries < 1:
+            raise ValueError("download_retries must be at least 1")
+        if self.parallel_connections < 1:
+            raise ValueError("parallel_connections must be at least 1")
+        if self.download_buffer_bytes < 64 * 1024:
+            raise ValueError("download_buffer_bytes must be at least 64 KiB")
+        return self
+
+    @property
+    def shard_cache_max_bytes(self) -> int:
+        return self.shard_cache_max_mb * MIB
+
+    @property
+    def queue(self) -> str:
+        return f"roundhouse.{self.host_id}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment exactly once."""
+    return Settings()

@@ -1,0 +1,38 @@
+"""A second process using a shard cache: ``python -m tests.support.cache_client CACHE LIMIT TENANT URL...``.
+
+Acquires each shard in turn, like an executor moving through its shards (the
+current one pinned while the next one downloads: two shards per process), and
+prints one JSON line per shard, so tests can run real concurrent processes
+against one cache directory and kill them mid-download.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from executor.shards import ShardCache, ShardDescriptor
+from executor.transfer import TransferConfig
+
+
+def main(argv: list[str]) -> int:
+    root, limit, tenant, *urls = argv
+    cache = ShardCache(
+        root, int(limit), transfer_config=TransferConfig(retries=3, backoff_s=0.01), wait_timeout_s=60
+    )
+    pins = []
+    for url in urls:
+        descriptor = ShardDescriptor.parse(json.loads(url) if url.startswith("{") else url)
+        while len(pins) > 1:
+            pins.pop(0).release()
+        pin = cache.acquire(tenant, descriptor)
+        pins.append(pin)
+        print(json.dumps({"url": url, "path": pin.path, "size": pin.size}), flush=True)
+    for pin in pins:
+        pin.release()
+    print(json.dumps({"stats": cache.stats().to_json()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,310 @@
+"""The bit-exact sync delta (DESIGN §4): hash, build, apply, wire format."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from executor import delta as D  # noqa: N812 - short alias, used on every line
+from executor.errors import BadArtifact, HashMismatch, Stopped
+from executor.tensorfile import dtype_from_name, tensor_bytes, write_state
+
+VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "sync_delta_v1.json"
+
+
+def decode(encoded: dict[str, dict]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, item in encoded.items():
+        raw = bytearray(bytes.fromhex(item["hex"]))
+        dtype = dtype_from_name(item["dtype"])
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out[name] = flat.reshape(item["shape"]).clone()
+    return out
+
+
+def spec_hash(state: dict[str, torch.Tensor]) -> str:
+    """The hash written straight from DESIGN §4's text, independent of executor.delta."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].contiguous()
+        kb = key.encode("utf-8")
+        dn = str(t.dtype).replace("torch.", "").encode()
+        h.update(struct.pack("<I", len(kb)) + kb + struct.pack("<I", len(dn)) + dn)
+        h.update(struct.pack("<I", t.dim()) + b"".join(struct.pack("<Q", d) for d in t.shape))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
+
+
+def write_model(path: Path, state: dict[str, torch.Tensor]) -> None:
+    with open(path, "wb") as file:
+        write_state(file, state)
+
+
+@pytest.fixture(scope="module")
+def vectors() -> list[dict]:
+    return json.loads(VECTORS.read_text())["vectors"]
+
+
+def sample_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "a.weight": torch.randn(33, 17, generator=g),
+        "a.bias": torch.randn(17, generator=g).half(),
+        "b.weight": torch.randn(9, generator=g).bfloat16(),
+        "steps": torch.tensor(3),
+        "mask": torch.tensor([True, False]),
+    }
+
+
+def test_state_hash_matches_the_spec_text() -> None:
+    state = sample_state() | {"d": torch.randn(3, 4).t(), "z": torch.empty(0), "s": torch.tensor(2.5)}
+    assert D.state_hash(state) == spec_hash(state)
+
+
+def test_state_hash_depends_on_dtype_shape_and_key() -> None:
+    t = torch.zeros(4)
+    base = D.state_hash({"k": t})
+    assert base != D.state_hash({"k": t.half()})
+    assert base != D.state_hash({"k": t.reshape(2, 2)})
+    assert base != D.state_hash({"j": t})
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_shared_vectors_build_and_apply(vectors: list[dict], index: int) -> None:
+    vector = vectors[index]
+    base, new = decode(vector["base"]), decode(vector["new"])
+    expected_delta, expected_result = decode(vector["delta"]), decode(vector["result"])
+    assert D.state_hash(base) == spec_hash(base) == vector["base_hash"]
+    sync = D.make_sync_delta(base, new, dtype_from_name(vector["delta_dtype"]))
+    assert sync.base_hash == vector["base_hash"]
+    assert sync.result_hash == vector["result_hash"]
+    assert D.state_hash(sync.delta) == vector["delta_hash"]
+    for name, tensor in expected_delta.items():
+        assert tensor_bytes(sync.delta[name].contiguous()) == tensor_bytes(tensor)
+    applied = D.apply_sync_delta_state(base, expected_delta)
+    assert D.state_hash(applied) == vector["result_hash"] == spec_hash(expected_result)
+
+
+def test_streaming_apply_matches_vectors(tmp_path: Path, vectors: list[dict]) -> None:
+    for vector in vectors:
+        model, delta_file = tmp_path / "model.safetensors", tmp_path / "delta.zst"
+        write_model(model, decode(vector["base"]))
+        D.write_delta(decode(vector["delta"]), str(delta_file))
+        result = D.apply_sync_delta(
+            str(model), str(delta_file), base_hash=vector["base_hash"], result_hash=vector["result_hash"]
+        )
+        assert result.model_hash == vector["result_hash"]
+        assert D.file_state_hash(str(model)) == vector["result_hash"]
+        from safetensors.torch import load_file
+
+        loaded = load_file(str(model))
+        for name, tensor in decode(vector["result"]).items():
+            assert tensor_bytes(loaded[name].contiguous()) == tensor_bytes(tensor), name
+
+
+def test_streaming_apply_in_small_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Slices of 3 elements cut every tensor at odd places; the bytes must not change.
+    monkeypatch.setattr(D, "SLICE_BYTES", 24)
+    base = sample_state()
+    new = {k: v.float() * 1.5 if v.is_floating_point() else v for k, v in base.items()}
+    sync = D.make_sync_delta(base, new)
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    write_model(model, base)
+    D.write_delta(sync.delta, str(delta_file))
+    D.apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
+    assert D.file_state_hash(str(model)) == sync.result_hash
+
+
+def _safetensors_reversed(state: dict[str, torch.Tensor]) -> bytes:
+    """A valid safetensors file whose data lies in reverse key order."""
+    names = sorted(state, reverse=True)
+    header, blobs, cursor = {}, [], 0
+    for name in names:
+        data = bytes(tensor_bytes(state[name].contiguous()))
+        header[name] = {
+            "dtype": "F16",
+            "shape": list(state[name].shape),
+            "data_offsets": [cursor, cursor + len(data)],
+        }
+        blobs.append(data)
+        cursor += len(data)
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"".join(blobs)
+
+
+def test_apply_accepts_out_of_order_and_seed_format_deltas(tmp_path: Path) -> None:
+    base = sample_state()
+    new = {k: v.float() + 0.25 if v.is_floating_point() else v for k, v in base.items()}
+    sync = D.make_sync_delta(base, new)
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    buffer = io.BytesIO()
+    torch.save(sync.delta, buffer)
+    for payload in (_safetensors_reversed(sync.delta), buffer.getvalue()):
+        write_model(model, base)
+        delta_file.write_bytes(zstandard.ZstdCompressor().compress(payload))
+        D.apply_sync_delta(
+            str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash
+        )
+        assert D.file_state_hash(str(model)) == sync.result_hash
+        assert D.state_hash(D.read_delta(str(delta_file))) == D.state_hash(sync.delta)
+
+
+def test_known_base_hash_skips_rehash_but_result_is_still_proven(tmp_path: Path) -> None:
+    base = sample_state()
+    sync = D.make_sync_delta(
+        base, {k: v.float() * 2 if v.is_floating_point() else v for k, v in base.items()}
+    )
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    write_model(model, base)
+    D.write_delta(sync.delta, str(delta_file))
+    with pytest.raises(HashMismatch):
+        D.apply_sync_delta(
+            str(model),
+            str(delta_file),
+            base_hash=sync.base_hash,
+            result_hash=sync.result_hash,
+            known_base_hash="x",
+        )
+    # A lying cached hash cannot make a wrong file pass: the result hash catches it.
+    tampered = dict(base)
+    tampered["a.weight"] = base["a.weight"] + 1
+    write_model(model, tampered)
+    with pytest.raises(HashMismatch):
+        D.apply_sync_delta(
+            str(model),
+            str(delta_file),
+            base_hash=sync.base_hash,
+            result_hash=sync.result_hash,
+            known_base_hash=sync.base_hash,
+        )
+
+
+def _mismatch_cases(sync: D.SyncDelta) -> dict[str, tuple[dict[str, torch.Tensor], str, str, type]]:
+    unknown = dict(sync.delta) | {"nope": torch.zeros(1, dtype=torch.float16)}
+    integer = dict(sync.delta) | {"steps": torch.zeros((), dtype=torch.float16)}
+    shaped = dict(sync.delta) | {"a.weight": torch.zeros(17, 33, dtype=torch.float16)}
+    return {
+        "wrong base hash": (sync.delta, "sha256:" + "0" * 64, sync.result_hash, HashMismatch),
+        "wrong result hash": (sync.delta, sync.base_hash, "sha256:" + "1" * 64, HashMismatch),
+        "unknown key": (unknown, sync.base_hash, sync.result_hash, HashMismatch),
+        "non-floating key": (integer, sync.base_hash, sync.result_hash, HashMismatch),
+        "wrong shape": (shaped, sync.base_hash, sync.result_hash, HashMismatch),
+    }
+
+
+def test_every_mismatch_leaves_the_model_file_untouched(tmp_path: Path) -> None:
+    base = sample_state()
+    sync = D.make_sync_delta(
+        base, {k: v.float() - 1 if v.is_floating_point() else v for k, v in base.items()}
+    )
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    write_model(model, base)
+    before = model.read_bytes()
+    for label, (delta, base_hash, result_hash, error) in _mismatch_cases(sync).items():
+        D.write_delta(delta, str(delta_file))
+        with pytest.raises(error):
+            D.apply_sync_delta(str(model), str(delta_file), base_hash=base_hash, result_hash=result_hash)
+        assert model.read_bytes() == before, label
+        assert sorted(os.listdir(tmp_path)) == ["d.zst", "m.safetensors"], label
+
+
+def test_corrupt_and_truncated_deltas_are_bad_artifacts(tmp_path: Path) -> None:
+    base = sample_state()
+    sync = D.make_sync_delta(
+        base, {k: v.float() + 3 if v.is_floating_point() else v for k, v in base.items()}
+    )
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    write_model(model, base)
+    before = model.read_bytes()
+    D.write_delta(sync.delta, str(delta_file))
+    good = delta_file.read_bytes()
+    for payload in (
+        b"not zstd at all",
+        good[: len(good) // 2],
+        zstandard.ZstdCompressor().compress(b"x" * 100),
+    ):
+        delta_file.write_bytes(payload)
+        with pytest.raises(BadArtifact):
+            D.apply_sync_delta(
+                str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash
+            )
+        assert model.read_bytes() == before
+
+
+def test_stop_aborts_apply_without_touching_the_model(tmp_path: Path) -> None:
+    import threading
+
+    base = sample_state()
+    sync = D.make_sync_delta(base, base)
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    write_model(model, base)
+    before = model.read_bytes()
+    D.write_delta(sync.delta, str(delta_file))
+    abort = threading.Event()
+    abort.set()
+    with pytest.raises(Stopped):
+        D.apply_sync_delta(
+            str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash, abort=abort
+        )
+    assert model.read_bytes() == before
+
+
+def test_wire_format_is_one_zstd_frame_with_content_size(tmp_path: Path) -> None:
+    delta = {"w": torch.randn(100, 10).half(), "b": torch.randn(10).half()}
+    path = tmp_path / "d.zst"
+    info = D.write_delta(delta, str(path))
+    raw = path.read_bytes()
+    params = zstandard.get_frame_parameters(raw)
+    body = zstandard.ZstdDecompressor().decompress(raw)
+    assert params.content_size == len(body)
+    # One frame: decompressing exactly the first frame consumes the whole file.
+    assert zstandard.frame_content_size(raw) == len(body)
+    obj = zstandard.ZstdDecompressor().decompressobj()
+    obj.decompress(raw)
+    assert obj.unused_data == b""
+    from safetensors.torch import load
+
+    loaded = load(body)
+    assert D.state_hash(loaded) == info.hash == D.state_hash(delta)
+    assert info.keys == 2 and info.dtype == "float16" and info.bytes == len(raw)
+
+
+def test_result_delta_is_trained_minus_original(tmp_path: Path) -> None:
+    original = sample_state()
+    model = tmp_path / "m.safetensors"
+    write_model(model, original)
+    trained = {
+        k: (v.float() * 3).to(v.dtype) if v.is_floating_point() else v + 5 for k, v in original.items()
+    }
+    del trained["a.bias"]  # a key the trained state lacks: no entry (zero delta)
+    trained["extra"] = torch.ones(2)  # a key the model lacks: ignored
+    info = D.write_result_delta(str(model), trained, str(tmp_path / "r.zst"), dtype=torch.bfloat16)
+    back = D.read_delta(str(tmp_path / "r.zst"))
+    assert sorted(back) == ["a.weight", "b.weight"]
+    expected = (trained["a.weight"].float() - original["a.weight"].float()).bfloat16()
+    assert torch.equal(back["a.weight"], expected)
+    assert info.hash == D.state_hash(back) and info.dtype == "bfloat16"
+
+
+def test_result_delta_rejects_shape_changes(tmp_path: Path) -> None:
+    model = tmp_path / "m.safetensors"
+    write_model(model, {"w": torch.zeros(3, 4)})
+    with pytest.raises(ValueError, match="shape"):
+        D.write_result_delta(str(model), {"w": torch.zeros(4, 3)}, str(tmp_path / "r.zst"))
+    assert not (tmp_path / "r.zst").exists()
+
+
+def test_hash_of_a_file_equals_hash_of_its_tensors(tmp_path: Path) -> None:
+    state = sample_state() | {"big": torch.from_numpy(np.arange(10_000, dtype=np.float32))}
+    model = tmp_path / "m.safetensors"
+    write_model(model, state)
+    assert D.file_state_hash(str(model)) == D.state_hash(state)

@@ -1,0 +1,304 @@
+"""The persistent, bounded, cross-process shard cache (DESIGN §7), against a real HTTP server."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zstandard
+
+from executor.dataset import ShardSession
+from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, ShardIndexError
+from executor.shards import ShardCache, ShardDescriptor
+from executor.transfer import TransferConfig
+from tests.support.http_server import FaultServer
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = TransferConfig(retries=3, backoff_s=0.01, read_timeout_s=10)
+SHARD_ELEMS = 64 * 1024  # 256 KiB of float32 per shard (plus torch's zip overhead)
+
+
+def shard_bytes(index: int) -> bytes:
+    g = torch.Generator().manual_seed(index)
+    buffer = io.BytesIO()
+    torch.save({"x": torch.randn(SHARD_ELEMS, generator=g), "index": torch.tensor(index)}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    root = tmp_path / "srv"
+    root.mkdir()
+    for i in range(6):
+        data = shard_bytes(i)
+        (root / f"s{i}.pt").write_bytes(data)
+        (root / f"s{i}.pt.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    with FaultServer(root) as server:
+        yield server, root
+
+
+def desc(
+    server: FaultServer, root: Path, i: int, *, zstd: bool = False, query: str | None = None
+) -> ShardDescriptor:
+    name = f"s{i}.pt.zst" if zstd else f"s{i}.pt"
+    return ShardDescriptor(server.url(name, query), "zstd" if zstd else "none", (root / name).stat().st_size)
+
+
+def cache_files_bytes(cache_dir: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(cache_dir / "tenants"):
+        for name in files:
+            if name.endswith(".lock"):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+class DiskMonitor:
+    """Samples the cache's bytes on disk every millisecond and keeps the peak."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir, self.peak, self._stop = cache_dir, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, cache_files_bytes(self.cache_dir))
+            time.sleep(0.001)
+
+    def __enter__(self) -> DiskMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_descriptor_parsing_and_keys() -> None:
+    d = ShardDescriptor.parse("http://h/x.pt?sig=1")
+    assert d.compression == "none" and d.key == "url:http://h/x.pt"
+    assert ShardDescriptor.parse({"url": "http://h/x?sig=2", "id": "abc"}).key == "id:abc"
+    sha = "a" * 64
+    assert ShardDescriptor.parse({"url": "http://h/x", "sha256": sha.upper()}).key == "sha256:" + sha
+    assert "sig" not in json.dumps(d.to_json())
+    for bad in (
+        {"url": ""},
+        {"url": "u", "compression": "gzip"},
+        {"url": "u", "size_bytes": -1},
+        5,
+        {"url": "u", "sha256": "zz"},
+    ):
+        with pytest.raises(InvalidRequest):
+            ShardDescriptor.parse(bad)
+
+
+def test_hit_after_miss_and_query_string_ignored(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    first = cache.acquire("t", desc(server, root, 0, query="sig=one"))
+    first.release()
+    again = cache.acquire("t", desc(server, root, 0, query="sig=two"))  # a re-presigned URL
+    assert Path(again.path).read_bytes() == (root / "s0.pt").read_bytes()
+    again.release()
+    assert server.count("s0.pt") == 1
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.entries) == (1, 1, 1)
+
+
+def test_zstd_shard_is_decoded_and_packed_copy_removed(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    pin = cache.acquire("t", desc(server, root, 1, zstd=True))
+    assert Path(pin.path).read_bytes() == (root / "s1.pt").read_bytes()
+    pin.release()
+    names = os.listdir(Path(pin.path).parent)
+    assert sorted(n.rsplit(".", 1)[1] for n in names) == ["bin", "lock"]
+
+
+def test_corrupt_zstd_is_bad_artifact_and_leaves_no_entry(served, tmp_path: Path) -> None:
+    server, root = served
+    (root / "bad.zst").write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(4000))
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    bad = ShardDescriptor(server.url("bad.zst"), "zstd", 4004)
+    with pytest.raises(BadArtifact):
+        cache.acquire("t", bad)
+    assert cache_files_bytes(tmp_path / "cache") == 0
+    assert cache.stats().entries == 0
+
+
+def test_lru_eviction_keeps_pinned_and_respects_limit(served, tmp_path: Path) -> None:
+    server, root = served
+    size = (root / "s0.pt").stat().st_size
+    cache = ShardCache(str(tmp_path / "cache"), int(size * 3.5), transfer_config=FAST)
+    current = cache.acquire("t", desc(server, root, 0))  # stays pinned throughout
+    for i in (1, 2, 3, 4):
+        cache.acquire("t", desc(server, root, i)).release()
+        time.sleep(0.01)  # distinct mtimes for the LRU order
+    assert os.path.exists(current.path)
+    stats = cache.stats()
+    assert stats.used_bytes <= cache.max_bytes and stats.evictions >= 1
+    left = {int(torch.load(p, weights_only=True)["index"]) for p in Path(current.path).parent.glob("*.bin")}
+    assert 0 in left and 4 in left and 1 not in left
+    current.release()
+
+
+def test_limit_below_two_shards_is_a_clear_error(served, tmp_path: Path) -> None:
+    server, root = served
+    size = (root / "s0.pt").stat().st_size
+    cache = ShardCache(str(tmp_path / "cache"), int(size * 1.5), transfer_config=FAST)
+    pin = cache.acquire("t", desc(server, root, 0))
+    with pytest.raises(CacheTooSmall) as caught:
+        cache.acquire("t", desc(server, root, 1))
+    assert caught.value.code == "invalid_request"
+    assert "two shards" in caught.value.message
+    pin.release()
+
+
+def test_limit_is_respected_at_every_instant_with_two_processes(served, tmp_path: Path) -> None:
+    server, root = served
+    size = (root / "s0.pt").stat().st_size
+    limit = int(size * 4.5)
+    cache_dir = tmp_path / "cache"
+    for i in range(6):
+        server.add_fault(f"s{i}.pt", "slow", times=-1, chunk_bytes=64 * 1024, delay_s=0.005)
+    urls = [json.dumps(desc(server, root, i).__dict__) for i in range(6)]
+    with DiskMonitor(cache_dir) as monitor:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.support.cache_client", str(cache_dir), str(limit), "t", *order],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for order in (urls, list(reversed(urls)))
+        ]
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert monitor.peak <= limit, f"peak {monitor.peak} > limit {limit}"
+    assert monitor.peak > 0
+
+
+def test_two_processes_download_each_shard_once(served, tmp_path: Path) -> None:
+    server, _root = served
+    cache_dir = tmp_path / "cache"
+    for i in range(4):
+        server.add_fault(f"s{i}.pt", "slow", times=-1, chunk_bytes=32 * 1024, delay_s=0.01)
+    urls = [server.url(f"s{i}.pt", f"sig={i}") for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.support.cache_client", str(cache_dir), str(50 << 20), "t", *urls],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    for i in range(4):
+        # No size_bytes in the descriptors: each miss first probes the size with a 1-byte ranged GET.
+        bodies = [r for r in server.requests if r.path == f"s{i}.pt" and r.range_header != "bytes=0-0"]
+        probes = [r for r in server.requests if r.path == f"s{i}.pt" and r.range_header == "bytes=0-0"]
+        counts = (len(bodies), len(probes))
+        assert counts == (1, 1), f"shard {i}: {counts[0]} downloads, {counts[1]} probes"
+    paths = [{json.loads(line)["path"] for line in out.splitlines() if '"path"' in line} for out in outputs]
+    assert paths[0] == paths[1]
+
+
+def test_kill_9_mid_download_leaves_nothing_corrupt_and_resumes(served, tmp_path: Path) -> None:
+    server, root = served
+    cache_dir = tmp_path / "cache"
+    server.add_fault("s2.pt", "stall", after_bytes=100_000)
+    d = desc(server, root, 2)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.cache_client",
+            str(cache_dir),
+            str(10 << 20),
+            "t",
+            json.dumps(d.__dict__),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert server.wait_for_stalls(1, timeout_s=60)
+        deadline = time.monotonic() + 10
+        while cache_files_bytes(cache_dir) < 100_000 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        server.release_stalls()
+    entry = ShardCache(str(cache_dir), 10 << 20, transfer_config=FAST).entry_path("t", d)
+    assert not os.path.exists(entry), "a partial download appeared under the final name"
+    assert not list((cache_dir / "reservations").iterdir()), "the dead process's reservation was not dropped"
+    assert not [n for n in os.listdir(Path(entry).parent) if n.endswith(".tmp")]
+    cache = ShardCache(str(cache_dir), 10 << 20, transfer_config=FAST)
+    pin = cache.acquire("t", d)
+    assert Path(pin.path).read_bytes() == (root / "s2.pt").read_bytes()
+    resumed = [r for r in server.requests if r.path == "s2.pt" and (r.range_start() or 0) > 0]
+    assert resumed, "the second download did not resume from the partial file"
+    pin.release()
+
+
+def test_tenants_are_separate_and_removed_alone(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    a = cache.acquire("alice", desc(server, root, 0))
+    b = cache.acquire("bob", desc(server, root, 0))
+    assert a.path != b.path and server.count("s0.pt") == 2
+    a.release()
+    b.release()
+    freed = cache.remove_tenant("alice")
+    assert freed == (root / "s0.pt").stat().st_size
+    assert not os.path.exists(a.path) and os.path.exists(b.path)
+    with pytest.raises(InvalidRequest):
+        cache.acquire("../etc", desc(server, root, 0))
+
+
+def test_session_prefetch_overlaps_compute(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    for i in range(4):
+        server.add_fault(f"s{i}.pt", "slow", times=-1, chunk_bytes=64 * 1024, delay_s=0.01)
+    session = ShardSession(cache, "t", [desc(server, root, i) for i in range(4)], abort=threading.Event())
+    waits = []
+    for i in range(4):
+        started = time.monotonic()
+        data = session.get(i)
+        waits.append(time.monotonic() - started)
+        assert int(data["index"]) == i
+        time.sleep(0.6)  # "compute", slower than one fetch (~0.05 s of delays per shard)
+        nxt = session.next_index(i)
+        assert os.path.exists(cache.entry_path("t", session.descriptors[nxt])), f"shard {nxt} not prefetched"
+    assert max(waits[1:]) < waits[0], f"later shards waited on I/O: {waits}"
+    session.close()
+
+
+def test_session_holds_one_decoded_shard_and_checks_indexes(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    session = ShardSession(cache, "t", [desc(server, root, i) for i in range(3)], abort=threading.Event())
+    first = session.get(0)
+    assert session.get(0) is first
+    session.get(1)
+    assert session._decoded_index == 1  # the previous decoded shard was dropped
+    for bad in (3, -1, "1", True):
+        with pytest.raises(ShardIndexError):
+            session.get(bad)  # type: ignore[arg-type]
+    session.close()
