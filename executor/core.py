@@ -17,42 +17,34 @@ import shutil
 import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from executor import artifacts, placement, transfer
 from executor.dataset import ShardSession
-from executor.delta import apply_sync_delta, file_state_hash, write_result_delta
+from executor.delta import file_state_hash
 from executor.errors import (
-    CacheTooSmall,
     CleanupFailed,
-    ErrorInfo,
-    HashMismatch,
     InvalidRequest,
-    RoundhouseError,
     SandboxRunnerError,
-    StopExecution,
-    Stopped,
-    UserCodeError,
-    error_info,
 )
 from executor.fileio import atomic_write_json, tree_bytes
-from executor.guard import execute_script, validate_script
-from executor.namespace import RoundOutputs, RoundSpec, build_namespace, cpu_state, stop_checker
+from executor.guard import validate_script
+from executor.inthread import RoundOutcome, ThreadRound
+from executor.modelfile import ModelFiles
+from executor.namespace import RoundOutputs, RoundSpec, build_namespace, stop_checker
 from executor.preprocess import ImagePreprocessor
 from executor.results import (
     ApplyOutcome,
     ApplyVia,
-    DeltaInfo,
     ExecutorState,
     LoadResult,
     RoundResult,
-    RoundStatus,
 )
+from executor.rounds import round_result, ship_delta
 from executor.session import Session, check_load_args, check_params, model_fingerprint, parse_delta_dtype
 from executor.shards import ShardCache, ShardDescriptor
 from executor.stopping import StopSignal, UserCodeShield
@@ -115,11 +107,18 @@ class Executor:
         )
         self._stop_event = StopSignal()
         self._shield = UserCodeShield(self._stop_event)
+        self._models = ModelFiles(
+            self._tmpdir,
+            transfer_config=self._transfer,
+            abort=self._stop_event,
+            bundle_max_bytes=self.settings.bundle_max_bytes,
+            bundle_max_files=self.settings.bundle_max_files,
+            progress=self._progress_reporter,
+        )
         self._thread: threading.Thread | None = None
         self._process: Any = None  # the sandboxed runner (executor.sandbox), when one runs
         self._session: Session | None = None
         self._round = RoundSpec(100, 0, 1, 0, "training")
-        self._outputs = RoundOutputs()
         self._stopped = False
         self.original_state: dict[str, torch.Tensor] | None = None
         self.modified_state: dict[str, torch.Tensor] | None = None
@@ -179,18 +178,20 @@ class Executor:
         self._stop_event.clear()
         compiled = validate_script(code, max_bytes=self.settings.max_script_bytes)
         args = check_load_args(model_url, dataset_shards, batch_size, params, initial_shard_index, tenant)
-        self._check_cache_fits(args.descriptors)
+        if not self._cache_private:
+            self._cache.check_fits(args.descriptors)
         # Everything is fetched and checked beside the current session; it is replaced only
         # once the new one is complete, so a bad model or shard leaves the old one intact.
-        with self._staging() as staging:
-            artifact = self._fetch_model(model_url, "model", staging)
+        with self._models.staging() as staging:
+            artifact = self._models.fetch(model_url, "model", staging)
             model_hash = file_state_hash(artifact.model_path)
             dataset = ShardSession(
                 self._cache,
                 args.tenant,
                 args.descriptors,
                 abort=self._stop_event,
-                progress=self._shard_progress,
+                progress=self._progress_reporter("shard"),
+                retain=not self._cache_private,
             )
             if self._session is not None:
                 self._session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)  # free its pins
@@ -199,22 +200,22 @@ class Executor:
                 if args.descriptors and self._stage_first_shard:
                     staged = dataset.stage(args.initial_shard_index % len(args.descriptors))
                 self._close_session()
-                model_path, bundle_root = self._install(artifact)
+                model = self._models.install(artifact, model_hash)
             except BaseException:
                 dataset.close(timeout_s=self.settings.stop_join_timeout_s)
                 raise
         self._session = Session(
             tenant=args.tenant,
             model_url=model_url,
-            model_path=model_path,
-            bundle_root=bundle_root,
-            preprocessor_config=artifact.preprocessor_config,
+            model_path=model.path,
+            bundle_root=model.bundle_root,
+            preprocessor_config=model.preprocessor_config,
             code=code,
             compiled=compiled,
             params=args.params,
             batch_size=args.batch_size,
             model_hash=model_hash,
-            fingerprint=model_fingerprint(model_path),
+            fingerprint=model.fingerprint,
             dataset=dataset,
         )
         self._write_manifest()
@@ -230,74 +231,11 @@ class Executor:
             artifact.source_format,
         )
 
-    @contextmanager
-    def _staging(self) -> Iterator[str]:
-        staging = os.path.join(self._tmpdir, "incoming", "staging")
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-        try:
-            yield staging
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def _install(self, artifact: artifacts.ModelArtifact) -> tuple[str, str | None]:
-        """Move a staged model (and its bundle) into the work dir; each move is atomic."""
-        target = os.path.join(self._tmpdir, "model.safetensors")
-        os.replace(artifact.model_path, target)
-        bundle_root = os.path.join(self._tmpdir, "bundle")
-        shutil.rmtree(bundle_root, ignore_errors=True)
-        if artifact.bundle_root is None:
-            return target, None
-        os.replace(artifact.bundle_root, bundle_root)
-        return target, bundle_root
-
-    def _check_cache_fits(self, descriptors: list[ShardDescriptor]) -> None:
-        """Refuse at load, not mid-round, when known shard sizes cannot fit two at a time."""
-        if self._cache_private or len(descriptors) < 2:
-            return
-        sizes = [d.size_bytes for d in descriptors]
-        if not all(sizes):
-            return
-        # A zstd shard needs its packed and decoded bytes while it decodes; size_bytes is the packed size.
-        pairs = max(sizes[i] + sizes[(i + 1) % len(sizes)] for i in range(len(sizes)))
-        if pairs > self._cache.max_bytes:
-            raise CacheTooSmall(
-                f"shard cache limit of {self._cache.max_bytes} bytes cannot hold two consecutive shards "
-                f"({pairs} bytes): raise ROUNDHOUSE_SHARD_CACHE_MAX_MB",
-                {"limit_bytes": self._cache.max_bytes, "need_bytes": pairs},
-            )
-
-    def _fetch_model(self, model_url: str, what: str, dest_dir: str) -> artifacts.ModelArtifact:
-        """Download a model into ``incoming/`` and turn it into the canonical file in ``dest_dir``."""
-        incoming = os.path.join(self._tmpdir, "incoming")
-        os.makedirs(incoming, exist_ok=True)
-        download = os.path.join(incoming, what + artifacts.model_suffix(model_url))
-        transfer.fetch(
-            model_url,
-            download,
-            config=self._transfer,
-            abort=self._stop_event,
-            progress=self._progress_reporter(what),
-        )
-        try:
-            return artifacts.prepare_model_artifact(
-                download,
-                dest_dir,
-                max_bundle_bytes=self.settings.bundle_max_bytes,
-                max_bundle_files=self.settings.bundle_max_files,
-            )
-        finally:
-            if os.path.exists(download):
-                os.unlink(download)
-
     def _progress_reporter(self, what: str) -> Callable[[int, int | None], None]:
         def report(done: int, total: int | None) -> None:
             self._emit_state({"phase": "download", "what": what, "done": done, "total": total})
 
         return report
-
-    def _shard_progress(self, done: int, total: int | None) -> None:
-        self._emit_state({"phase": "download", "what": "shard", "done": done, "total": total})
 
     def _write_manifest(self) -> None:
         if self._session is None:
@@ -330,15 +268,30 @@ class Executor:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidRequest(f"{name} must be a non-negative integer")
         self._round = RoundSpec(steps, round_num, total_rounds, max(0, int(step_offset)), mode)
-        self._outputs = RoundOutputs()
         self._stopped = False
         self.execution_error = None
         self.report = None
         self.modified_state = None
         self.training_time = 0.0
         self._stop_event.clear()
-        self._thread = threading.Thread(target=self._execute, daemon=True, name="executor")
-        self._thread.start()
+        session = self._require_session()
+        runner = ThreadRound(
+            session.compiled,
+            self._namespace,
+            training=mode == "training",
+            shield=self._shield,
+            emit_log=self._emit_log,
+            on_done=self._round_done,
+        )
+        self._thread = runner.thread
+        runner.start()
+
+    def _round_done(self, outcome: RoundOutcome) -> None:
+        self._stopped = outcome.stopped
+        self.execution_error = outcome.error
+        self.modified_state = outcome.trained
+        self.report = outcome.report
+        self.training_time = outcome.training_time
 
     def wait(self) -> None:
         """Block until tenant code finishes."""
@@ -369,8 +322,9 @@ class Executor:
             return "mps"
         return "cpu"
 
-    def _namespace(self, device: str) -> dict[str, Any]:
+    def _namespace(self, outputs: RoundOutputs) -> dict[str, Any]:
         session = self._require_session()
+        device = self._device()
         preprocessor = ImagePreprocessor(session.preprocessor_config, session.params)
         return build_namespace(
             model_path=session.model_path,
@@ -388,67 +342,9 @@ class Executor:
             materialize_model=self._materialize_model,
             place_model=self._place_model,
             prepare_inputs=preprocessor.prepare,
-            outputs=self._outputs,
+            outputs=outputs,
             shield=self._shield.callback,
         )
-
-    def _execute(self) -> None:
-        started = time.monotonic()
-        namespace: dict[str, Any] = {}
-        try:
-            device = self._device()
-            namespace = self._namespace(device)
-            logger.info("starting tenant code on %s", device)
-            self._shield.enter()
-            try:
-                execute_script(self._require_session().compiled, namespace)
-            finally:
-                self._shield.leave()
-        except StopExecution:
-            self._stopped = True
-        except Stopped:
-            self._stopped = True
-        except BaseException as exc:
-            self._record_failure(exc)
-        finally:
-            self.training_time = time.monotonic() - started
-        try:
-            self._resolve_modified_state(namespace)
-        except StopExecution:  # a stop that raced the end of tenant code
-            self._stopped = True
-        finally:
-            namespace.clear()
-            gc.collect()
-            placement.empty_device_cache()
-
-    def _record_failure(self, exc: BaseException) -> None:
-        if placement.is_oom(exc):
-            error = placement.oom_error(exc)
-            self.execution_error = error.to_json()
-            self._emit_log(f"[ERROR] {error.message}")
-            return
-        if isinstance(exc, RoundhouseError):
-            self.execution_error = exc.to_json()
-        else:
-            tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
-            self.execution_error = UserCodeError(
-                f"{type(exc).__name__}: {exc}", {"traceback": tail[-8000:]}
-            ).to_json()
-        logger.info("tenant code failed: %s", self.execution_error["message"])
-        self._emit_log(f"[ERROR] {self.execution_error['message']}")
-
-    def _resolve_modified_state(self, namespace: dict[str, Any]) -> None:
-        if self._round.mode == "inference" or self.execution_error is not None or self._stopped:
-            self.modified_state = None
-        elif self._outputs.saved_state is not None:
-            self.modified_state = self._outputs.saved_state
-        elif hasattr(namespace.get("model"), "state_dict"):
-            self.modified_state = cpu_state(namespace["model"])
-        else:
-            # Nothing saved: the round produced no change (a zero delta).
-            self.modified_state = None
-        self.report = self._outputs.report
-        self._outputs.saved_state = None
 
     # ------------------------------------------------------------ finishing a round
 
@@ -457,40 +353,26 @@ class Executor:
         if self.is_running():
             raise InvalidRequest("the round is still running")
         session = self._require_session()
-        delta: DeltaInfo | None = None
-        error = ErrorInfo(**self.execution_error) if self.execution_error else None
-        status = (
-            RoundStatus.STOPPED if self._stopped else (RoundStatus.FAILED if error else RoundStatus.COMPLETED)
+        dtype = parse_delta_dtype(delta_dtype)
+        trained, self.modified_state = self.modified_state, None
+        ship = partial(
+            ship_delta,
+            session.model_path,
+            trained,
+            work_dir=self._tmpdir,
+            round_num=self._round.round_num,
+            dtype=dtype,
+            delta_url=delta_url,
+            transfer_config=self._transfer,
+            abort=self._stop_event,
         )
-        if status is RoundStatus.COMPLETED and self._round.mode == "training":
-            try:
-                delta = self._ship_delta(session, delta_url, delta_dtype)
-            except Stopped:
-                status = RoundStatus.STOPPED
-            except RoundhouseError as exc:
-                status, error = RoundStatus.FAILED, exc.info()
-            except ValueError as exc:
-                status, error = RoundStatus.FAILED, UserCodeError(str(exc)).info()
-        self.modified_state = None
-        return RoundResult(status, self.training_time, self.report, error, delta, self._round.round_num)
-
-    def _ship_delta(self, session: Session, delta_url: str | None, dtype_name: str) -> DeltaInfo:
-        dtype = parse_delta_dtype(dtype_name)
-        trained = self.modified_state
-        if trained is None:
-            trained = {}
-        deltas = os.path.join(self._tmpdir, "deltas")
-        os.makedirs(deltas, exist_ok=True)
-        path = os.path.join(deltas, f"round-{self._round.round_num}.safetensors.zst")
-        written = write_result_delta(session.model_path, trained, path, dtype=dtype)
-        if not delta_url:
-            return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
-        try:
-            transfer.upload(path, delta_url, config=self._transfer, abort=self._stop_event)
-        finally:
-            os.unlink(path)
-        return DeltaInfo(
-            written.bytes, written.hash, written.dtype, written.keys, url=transfer.redact_url(delta_url)
+        return round_result(
+            stopped=self._stopped,
+            error=self.execution_error,
+            training_time=self.training_time,
+            report=self.report,
+            round_num=self._round.round_num,
+            ship=ship if self._round.mode == "training" else None,
         )
 
     # ------------------------------------------------------------ sync phase
@@ -531,70 +413,41 @@ class Executor:
         if delta_url and base_hash and result_hash:
             reason = self._try_delta(delta_url, base_hash, result_hash)
         if reason is None:
-            via = ApplyVia.DELTA
-            model_hash = result_hash or ""
+            via, model_hash = ApplyVia.DELTA, str(result_hash)
         else:
             logger.warning("sync: %s; downloading the full model", reason)
-            model_hash = self._full_update(model_url, result_hash)
-            via = ApplyVia.FULL
+            via, model_hash = ApplyVia.FULL, self._full_update(model_url, result_hash)
         self._update_session(new_params, descriptors)
         return ApplyOutcome(
             via, model_hash, time.monotonic() - started, None if via is ApplyVia.DELTA else reason
         )
 
     def _try_delta(self, delta_url: str, base_hash: str, result_hash: str) -> str | None:
-        """Apply the delta; returns None on success, else why it could not be used."""
         session = self._session
-        if session is None or not os.path.exists(session.model_path):
+        if session is None:
             return "no local base model"
-        known = session.model_hash if session.file_unchanged() else None
-        if known is not None and known != base_hash:
-            return "local model is not the delta's base (hash mismatch)"
-        incoming = os.path.join(self._tmpdir, "incoming")
-        os.makedirs(incoming, exist_ok=True)
-        delta_path = os.path.join(incoming, "sync-delta.zst")
-        try:
-            transfer.fetch(delta_url, delta_path, config=self._transfer, abort=self._stop_event)
-            apply_sync_delta(
-                session.model_path,
-                delta_path,
-                base_hash=base_hash,
-                result_hash=result_hash,
-                abort=self._stop_event,
-                known_base_hash=known,
-            )
-        except Stopped:
-            raise
-        except Exception as exc:
-            info = error_info(exc)
-            logger.warning("sync delta not applied (%s): %s", info.code, info.message)
-            return f"{info.code}: {info.message}"
-        finally:
-            if os.path.exists(delta_path):
-                os.unlink(delta_path)
-        session.model_hash = result_hash
-        session.fingerprint = model_fingerprint(session.model_path)
-        return None
+        reason = self._models.apply_sync(
+            session.model_path,
+            delta_url,
+            base_hash=base_hash,
+            result_hash=result_hash,
+            known_hash=session.model_hash if session.file_unchanged() else None,
+        )
+        if reason is None:
+            session.model_hash = result_hash
+            session.fingerprint = model_fingerprint(session.model_path)
+        return reason
 
     def _full_update(self, model_url: str, result_hash: str | None) -> str:
-        """Download the full model beside the current one, check it, then swap it in."""
-        with self._staging() as staging:
-            artifact = self._fetch_model(model_url, "model-full", staging)
-            model_hash = file_state_hash(artifact.model_path)
-            if result_hash and model_hash != result_hash:
-                raise HashMismatch(
-                    "the full model does not match result_hash; the local model is unchanged",
-                    {"expected": result_hash, "got": model_hash},
-                )
-            target, bundle_root = self._install(artifact)
+        model = self._models.download(model_url, "model-full", expect_hash=result_hash)
         session = self._session
         if session is not None:
-            session.model_path = target
-            session.model_hash = model_hash
-            session.fingerprint = model_fingerprint(target)
-            session.bundle_root = bundle_root
-            session.preprocessor_config = artifact.preprocessor_config
-        return model_hash
+            session.model_path = model.path
+            session.model_hash = model.model_hash
+            session.fingerprint = model.fingerprint
+            session.bundle_root = model.bundle_root
+            session.preprocessor_config = model.preprocessor_config
+        return model.model_hash
 
     def _update_session(
         self, params: dict[str, Any] | None, descriptors: list[ShardDescriptor] | None
@@ -690,7 +543,6 @@ class Executor:
             wiped += self._cache.remove_tenant(owner)
         self.original_state = self.modified_state = None
         self.report = self.execution_error = None
-        self._outputs = RoundOutputs()
         self._thread = None
         self._process = None
         gc.collect()

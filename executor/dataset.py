@@ -50,8 +50,12 @@ class ShardSession:
         *,
         abort: threading.Event,
         progress: Progress | None = None,
+        retain: bool = True,
     ) -> None:
+        """``retain=False`` is the seed's cache-disabled mode: no prefetch, and a shard's
+        file is deleted as soon as the reader moves on (only the current one on disk)."""
         self.cache = cache
+        self._retain = retain
         self.tenant = tenant
         self.descriptors = list(descriptors)
         self._abort = abort
@@ -91,9 +95,12 @@ class ShardSession:
         pin = self._ensure(index)
         keep = self._wanted()
         with self._lock:
-            for other in [i for i in self._pins if i not in keep]:
-                self._pins.pop(other).release()
-        if prefetch and self.num_shards > 1:
+            dropped = [(i, self._pins.pop(i)) for i in list(self._pins) if i not in keep]
+        for other, old in dropped:
+            old.release()
+            if not self._retain:
+                self.cache.invalidate(self.tenant, self.descriptors[other])
+        if prefetch and self._retain and self.num_shards > 1:
             self._start_prefetch(self.next_index(index))
         return pin.path
 

@@ -96,6 +96,9 @@ class Ledger:
     @contextmanager
     def locked(self, abort: threading.Event | None = None) -> Iterator[None]:
         with self._thread_lock:
+            # The directories may have been wiped (a reset of a private cache): recreate them.
+            os.makedirs(self.tenants_dir, exist_ok=True)
+            os.makedirs(self.reservations_dir, exist_ok=True)
             lock = FileLock(self._lock_path)
             try:
                 lock.acquire(abort=abort)

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import zstandard
 
 from executor import transfer
-from executor.errors import BadArtifact, InvalidRequest, Stopped
+from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, Stopped
 from executor.fileio import temp_path_for
 from executor.ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
 from executor.locks import FileLock
@@ -166,6 +166,19 @@ class ShardCache:
     def max_bytes(self) -> int:
         return self.ledger.max_bytes
 
+    def check_fits(self, descriptors: list[ShardDescriptor]) -> None:
+        """Refuse at load, not mid-round, when known shard sizes cannot fit two at a time."""
+        sizes = [d.size_bytes for d in descriptors]
+        if len(sizes) < 2 or not all(sizes):
+            return
+        pairs = max(sizes[i] + sizes[(i + 1) % len(sizes)] for i in range(len(sizes)))
+        if pairs > self.max_bytes:
+            raise CacheTooSmall(
+                f"shard cache limit of {self.max_bytes} bytes cannot hold two consecutive shards "
+                f"({pairs} bytes): raise ROUNDHOUSE_SHARD_CACHE_MAX_MB",
+                {"limit_bytes": self.max_bytes, "need_bytes": pairs},
+            )
+
     def entry_path(self, tenant: str, descriptor: ShardDescriptor) -> str:
         digest = hashlib.sha256(descriptor.key.encode()).hexdigest()[:40]
         return os.path.join(self.ledger.tenants_dir, check_tenant(tenant), digest + ENTRY_SUFFIX)
@@ -285,6 +298,8 @@ class ShardCache:
             except zstandard.ZstdError as exc:
                 raise BadArtifact(f"shard is not valid zstd: {exc}") from None
             decoded = params.content_size if params.content_size != zstandard.CONTENTSIZE_UNKNOWN else None
+            source.seek(0)
+            _probe_decode(source)
             budget = packed_size + (decoded if decoded is not None else GROW_STEP_BYTES)
             self._grow(reservation, budget, pinned, abort)
             source.seek(0)
@@ -358,3 +373,16 @@ class ShardCache:
             self.ledger.evictions,
             self.downloaded_bytes,
         )
+
+
+def _probe_decode(source: Any, probe_bytes: int = 64 * 1024) -> None:
+    """Decode the start of a frame before trusting its header: a corrupt frame's
+    content size is noise, and must not turn into a cache reservation."""
+    reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True, closefd=False)
+    try:
+        reader.read(probe_bytes)
+    except zstandard.ZstdError as exc:
+        raise BadArtifact(f"shard is not valid zstd: {exc}") from None
+    finally:
+        reader.close()
+        source.seek(0)

@@ -1,0 +1,163 @@
+"""The session's model file in the work dir: fetched beside it, checked, swapped in atomically.
+
+Every way a model file arrives (``load_model``, the sync delta, the full-download
+fallback) goes through here, so the rule holds everywhere: the file at
+``<work>/model.safetensors`` is always a complete model whose hash we know, and a
+bad download, a bad artifact or a hash mismatch leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from executor import artifacts, transfer
+from executor.delta import apply_sync_delta, file_state_hash
+from executor.errors import HashMismatch, Stopped, error_info
+from executor.session import Fingerprint, model_fingerprint
+from executor.shards import Progress
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILENAME = "model.safetensors"
+BUNDLE_DIRNAME = "bundle"
+
+
+@dataclass(frozen=True)
+class InstalledModel:
+    """A model file now in place, with what later rounds need to know about it."""
+
+    path: str
+    bundle_root: str | None
+    preprocessor_config: dict[str, object]
+    model_hash: str
+    fingerprint: Fingerprint
+    artifact: artifacts.ModelArtifact
+
+
+class ModelFiles:
+    """Downloads, stages and installs model files in one work dir."""
+
+    def __init__(
+        self,
+        work_dir: str,
+        *,
+        transfer_config: transfer.TransferConfig,
+        abort: threading.Event,
+        bundle_max_bytes: int,
+        bundle_max_files: int,
+        progress: Callable[[str], Progress] | None = None,
+    ) -> None:
+        self.work_dir = work_dir
+        self._transfer = transfer_config
+        self._abort = abort
+        self._bundle_max_bytes = bundle_max_bytes
+        self._bundle_max_files = bundle_max_files
+        self._progress = progress
+
+    @property
+    def incoming(self) -> str:
+        path = os.path.join(self.work_dir, "incoming")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    @contextmanager
+    def staging(self) -> Iterator[str]:
+        """A scratch dir beside the installed model; always removed afterwards."""
+        staging = os.path.join(self.incoming, "staging")
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        try:
+            yield staging
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def fetch(self, model_url: str, what: str, dest_dir: str) -> artifacts.ModelArtifact:
+        """Download a model and turn it into the canonical file in ``dest_dir``."""
+        download = os.path.join(self.incoming, what + artifacts.model_suffix(model_url))
+        transfer.fetch(
+            model_url,
+            download,
+            config=self._transfer,
+            abort=self._abort,
+            progress=self._progress(what) if self._progress else None,
+        )
+        try:
+            return artifacts.prepare_model_artifact(
+                download,
+                dest_dir,
+                max_bundle_bytes=self._bundle_max_bytes,
+                max_bundle_files=self._bundle_max_files,
+            )
+        finally:
+            if os.path.exists(download):
+                os.unlink(download)
+
+    def install(self, artifact: artifacts.ModelArtifact, model_hash: str) -> InstalledModel:
+        """Move a staged model (and its bundle) into the work dir; each move is atomic."""
+        target = os.path.join(self.work_dir, MODEL_FILENAME)
+        os.replace(artifact.model_path, target)
+        bundle_root = os.path.join(self.work_dir, BUNDLE_DIRNAME)
+        shutil.rmtree(bundle_root, ignore_errors=True)
+        if artifact.bundle_root is not None:
+            os.replace(artifact.bundle_root, bundle_root)
+        return InstalledModel(
+            target,
+            bundle_root if artifact.bundle_root is not None else None,
+            dict(artifact.preprocessor_config),
+            model_hash,
+            model_fingerprint(target),
+            artifact,
+        )
+
+    def download(self, model_url: str, what: str, *, expect_hash: str | None = None) -> InstalledModel:
+        """Fetch, check and install a whole model; ``expect_hash`` must match when given."""
+        with self.staging() as staging:
+            artifact = self.fetch(model_url, what, staging)
+            model_hash = file_state_hash(artifact.model_path)
+            if expect_hash and model_hash != expect_hash:
+                raise HashMismatch(
+                    "the full model does not match result_hash; the local model is unchanged",
+                    {"expected": expect_hash, "got": model_hash},
+                )
+            return self.install(artifact, model_hash)
+
+    def apply_sync(
+        self, model_path: str, delta_url: str, *, base_hash: str, result_hash: str, known_hash: str | None
+    ) -> str | None:
+        """Apply a sync delta in place; None on success, else why it could not be used.
+
+        ``known_hash`` is the hash of the file as this process installed it (None when
+        the file may have changed since); a known mismatch skips the download entirely.
+        Only a stop propagates: every other failure is a reason to fall back.
+        """
+        if not os.path.exists(model_path):
+            return "no local base model"
+        if known_hash is not None and known_hash != base_hash:
+            return "local model is not the delta's base (hash mismatch)"
+        delta_path = os.path.join(self.incoming, "sync-delta.zst")
+        try:
+            transfer.fetch(delta_url, delta_path, config=self._transfer, abort=self._abort)
+            apply_sync_delta(
+                model_path,
+                delta_path,
+                base_hash=base_hash,
+                result_hash=result_hash,
+                abort=self._abort,
+                known_base_hash=known_hash,
+            )
+        except Stopped:
+            raise
+        except Exception as exc:
+            info = error_info(exc)
+            logger.warning("sync delta not applied (%s): %s", info.code, info.message)
+            return f"{info.code}: {info.message}"
+        finally:
+            if os.path.exists(delta_path):
+                os.unlink(delta_path)
+        return None
