@@ -2,7 +2,7 @@
 
 One implementation serves both sides: the orchestrator builds a sync delta with
 :func:`make_sync_delta` and publishes ``.result`` as the full-download fallback;
-a worker applies it with :func:`apply_sync_delta` (streaming, one pass) and gets
+a worker applies it with :func:`executor.apply.apply_sync_delta` (one streaming pass) and gets
 the very same bytes, because both use :func:`apply_rule` — one IEEE fp32 add per
 element, no scale, no fused ops.
 
@@ -19,23 +19,18 @@ import io
 import os
 import struct
 import sys
-import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
 import zstandard
 
-from executor.errors import BadArtifact, HashMismatch, Stopped
+from executor.errors import BadArtifact, HashMismatch
 from executor.fileio import atomic_writer
 from executor.tensorfile import (
     StreamWriter,
-    TensorSpec,
     dtype_name,
-    header_length,
-    parse_header,
     read_header,
     read_into,
     read_tensor,
@@ -246,24 +241,24 @@ def _decompressed(path: str) -> bytes:
 def read_delta(path: str) -> dict[str, torch.Tensor]:
     """Load a delta file whole: zstd(safetensors), or the seed's zstd(torch.save dict)."""
     data = _decompressed(path)
-    if _looks_like_safetensors(data[:8], len(data)):
+    if looks_like_safetensors(data[:8], len(data)):
         from safetensors.torch import load as load_safetensors
 
         try:
             return dict(load_safetensors(data))
         except Exception as exc:
             raise BadArtifact(f"delta safetensors is corrupt: {exc}") from None
-    return _load_torch_delta(data)
+    return load_torch_delta(data)
 
 
-def _looks_like_safetensors(prefix: bytes, total: int | None) -> bool:
+def looks_like_safetensors(prefix: bytes, total: int | None) -> bool:
     if len(prefix) < 8:
         return False
     (length,) = struct.unpack("<Q", prefix[:8])
     return 2 <= length <= _SAFETENSORS_MAX_HEADER and (total is None or 8 + length <= total)
 
 
-def _load_torch_delta(data: bytes) -> dict[str, torch.Tensor]:
+def load_torch_delta(data: bytes) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -273,236 +268,6 @@ def _load_torch_delta(data: bytes) -> dict[str, torch.Tensor]:
     ):
         raise BadArtifact("delta must be a dict of tensors")
     return loaded
-
-
-# ---------------------------------------------------------------- streaming delta source
-
-
-class DeltaSource:
-    """Tensors of a delta file, handed out slice by slice in sorted key order.
-
-    When the safetensors data lies in sorted key order (as :func:`write_delta`
-    writes it) the zstd stream is consumed sequentially and never held whole;
-    otherwise, or for the seed's torch format, it is decompressed into memory once.
-    """
-
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
-        try:
-            self._reader: zstandard.ZstdDecompressionReader | None = (
-                zstandard.ZstdDecompressor().stream_reader(self._file, read_across_frames=True)
-            )
-            self._position = 0
-            self._memory: memoryview | None = None
-            self._tensors: dict[str, torch.Tensor] | None = None
-            self.specs = self._open()
-        except zstandard.ZstdError as exc:
-            self.close()
-            raise BadArtifact(f"delta is not valid zstd: {exc}") from None
-        except BaseException:
-            self.close()
-            raise
-
-    def _read_exact(self, count: int) -> bytes:
-        assert self._reader is not None
-        chunks = []
-        remaining = count
-        while remaining:
-            chunk = self._reader.read(remaining)
-            if not chunk:
-                raise BadArtifact("delta stream ended early (truncated)")
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        self._position += count
-        return b"".join(chunks)
-
-    def _open(self) -> dict[str, TensorSpec]:
-        prefix = self._read_exact(8)
-        if not _looks_like_safetensors(prefix, None):
-            self._tensors = _load_torch_delta(prefix + self._rest())
-            return {n: TensorSpec(n, t.dtype, tuple(t.shape), 0, 0) for n, t in self._tensors.items()}
-        header = parse_header(self._read_exact(header_length(prefix)), None)
-        ordered = sorted(header.specs.values(), key=lambda s: s.name)
-        self._base = header.data_offset
-        if [s.start for s in ordered] != sorted(s.start for s in ordered):
-            # Not in key order: a sequential pass is impossible, hold the data section once.
-            self._memory = memoryview(self._rest())
-        return header.specs
-
-    def _rest(self) -> bytes:
-        assert self._reader is not None
-        return self._reader.read()
-
-    def read_slice(self, spec: TensorSpec, offset: int, nbytes: int, out: memoryview) -> None:
-        """Fill ``out`` with bytes [offset, offset+nbytes) of ``spec``'s data; calls must go forward."""
-        if self._memory is not None:
-            start = spec.start + offset
-            if start + nbytes > len(self._memory):
-                raise BadArtifact("delta data is truncated")
-            out[:nbytes] = self._memory[start : start + nbytes]
-            return
-        target = self._base + spec.start + offset
-        if target < self._position:
-            raise BadArtifact("delta slices requested out of order")
-        if target > self._position:
-            self._skip(target - self._position)
-        got = 0
-        assert self._reader is not None
-        while got < nbytes:
-            n = self._reader.readinto(out[got:nbytes])
-            if not n:
-                raise BadArtifact("delta stream ended early (truncated)")
-            got += n
-        self._position += nbytes
-
-    def _skip(self, count: int) -> None:
-        while count:
-            step = min(count, SLICE_BYTES)
-            self._read_exact(step)
-            count -= step
-
-    def tensor(self, name: str) -> torch.Tensor | None:
-        """Whole tensors for the torch-format fallback (None when the stream is safetensors)."""
-        return None if self._tensors is None else self._tensors.get(name)
-
-    def close(self) -> None:
-        reader = getattr(self, "_reader", None)
-        if reader is not None:
-            reader.close()
-            self._reader = None
-        self._file.close()
-
-    def __enter__(self) -> DeltaSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# ---------------------------------------------------------------- streaming apply
-
-
-@dataclass(frozen=True)
-class ApplyResult:
-    model_hash: str
-    keys: int
-    delta_keys: int
-    bytes: int
-    seconds: float
-
-
-class _Slicer:
-    """Reused byte buffers, viewed as tensors of any dtype, for the slice-by-slice passes."""
-
-    def __init__(self, elements: int) -> None:
-        self.elements = elements
-        self.base = bytearray(elements * 8)
-        self.delta = bytearray(elements * 8)
-
-    @staticmethod
-    def view(buffer: bytearray, dtype: torch.dtype, count: int) -> torch.Tensor:
-        return torch.frombuffer(buffer, dtype=dtype, count=count) if count else torch.empty(0, dtype=dtype)
-
-
-def apply_sync_delta(
-    model_path: str,
-    delta_path: str,
-    *,
-    base_hash: str,
-    result_hash: str,
-    abort: threading.Event | None = None,
-    known_base_hash: str | None = None,
-) -> ApplyResult:
-    """Apply a sync delta to a safetensors model file in one streaming pass.
-
-    Per slice of each tensor: read base, hash it, cast and add, hash the result,
-    write it. ``model_path`` is replaced atomically only when the base hash and
-    the result hash both hold; otherwise it is untouched and ``HashMismatch``
-    is raised. ``known_base_hash`` (the hash of the file as this process last
-    wrote it) skips re-hashing the base: the result hash still proves every byte.
-    """
-    started = time.monotonic()
-    if known_base_hash is not None and known_base_hash != base_hash:
-        raise HashMismatch(
-            "local model is not the delta's base", {"expected": base_hash, "local": known_base_hash}
-        )
-    with open(model_path, "rb") as base_file, DeltaSource(delta_path) as source:
-        header = read_header(base_file)
-        check_delta_specs(
-            {n: (s.dtype, s.shape) for n, s in header.specs.items()},
-            {n: (s.dtype, s.shape) for n, s in source.specs.items()},
-        )
-        names = sorted(header.specs)
-        entries = [(n, result_dtype(header.specs[n].dtype), header.specs[n].shape) for n in names]
-        base_hasher = hashlib.sha256() if known_base_hash is None else None
-        result_hasher = hashlib.sha256()
-        slicer = _Slicer(SLICE_BYTES // 8)
-        with atomic_writer(model_path) as out:
-            writer = StreamWriter(out, entries)
-            writer.write_header()
-            for name in names:
-                if abort is not None and abort.is_set():
-                    raise Stopped("sync delta apply stopped")
-                spec = header.specs[name]
-                hash_entry_header(result_hasher, name, result_dtype(spec.dtype), spec.shape)
-                if base_hasher is not None:
-                    hash_entry_header(base_hasher, name, spec.dtype, spec.shape)
-                _apply_one(
-                    base_file, header.data_offset, spec, source, slicer, writer, base_hasher, result_hasher
-                )
-            got_base = HASH_PREFIX + base_hasher.hexdigest() if base_hasher is not None else base_hash
-            got_result = HASH_PREFIX + result_hasher.hexdigest()
-            if got_base != base_hash:
-                raise HashMismatch(
-                    "local model is not the delta's base", {"expected": base_hash, "local": got_base}
-                )
-            if got_result != result_hash:
-                raise HashMismatch(
-                    "result of the delta apply does not match result_hash",
-                    {"expected": result_hash, "got": got_result},
-                )
-        size = os.path.getsize(model_path)
-    return ApplyResult(result_hash, len(names), len(source.specs), size, time.monotonic() - started)
-
-
-def _apply_one(
-    base_file: IO[bytes],
-    data_offset: int,
-    spec: TensorSpec,
-    source: DeltaSource,
-    slicer: _Slicer,
-    writer: StreamWriter,
-    base_hasher: Any,
-    result_hasher: Any,
-) -> None:
-    delta_spec = source.specs.get(spec.name)
-    whole = source.tensor(spec.name)
-    whole_flat = whole.reshape(-1) if whole is not None else None
-    total = spec.numel
-    done = 0
-    while done < total:
-        count = min(slicer.elements, total - done)
-        base_bytes = count * spec.dtype.itemsize
-        base_view = memoryview(slicer.base)[:base_bytes]
-        read_into(base_file, data_offset + spec.start + done * spec.dtype.itemsize, base_view)
-        if base_hasher is not None:
-            base_hasher.update(base_view)
-        if not is_floating(spec.dtype):
-            result_hasher.update(base_view)
-            writer.write(base_view)
-        else:
-            base = _Slicer.view(slicer.base, spec.dtype, count)
-            delta: torch.Tensor | None = None
-            if whole_flat is not None:
-                delta = whole_flat[done : done + count]
-            elif delta_spec is not None:
-                size = delta_spec.dtype.itemsize
-                source.read_slice(delta_spec, done * size, count * size, memoryview(slicer.delta))
-                delta = _Slicer.view(slicer.delta, delta_spec.dtype, count)
-            result = tensor_bytes(apply_rule(base, delta))
-            result_hasher.update(result)
-            writer.write(result)
-        done += count
 
 
 # ---------------------------------------------------------------- the trained delta

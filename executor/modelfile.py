@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from executor import artifacts, transfer
-from executor.delta import apply_sync_delta, file_state_hash
+from executor.apply import apply_sync_delta
+from executor.delta import file_state_hash
 from executor.errors import HashMismatch, Stopped, error_info
 from executor.session import Fingerprint, model_fingerprint
 from executor.shards import Progress

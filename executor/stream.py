@@ -171,16 +171,20 @@ class _Stream:
         if self.resumed_bytes is None:
             self.resumed_bytes = pos
         self.meter.reset(pos, total if total is not None else self.size)
+        expected = total if total is not None else self.size
         pos = copy_body(
             response,
             fd=fd,
             pos=pos,
-            end=None,
+            # Never write past the size we were told: the shard cache reserved exactly that.
+            end=expected,
             body_offset=pos,
             buffer=self.buffer,
             cancel=self.cancel,
             on_written=self.meter.add,
         )
+        if expected is not None and pos == expected and total is None and response.raw.read1(1):
+            pos += 1  # a body without Content-Length that runs past the declared size
         self._check_length(fd, pos, total)
         return None
 

@@ -15,6 +15,7 @@ import torch
 import zstandard
 
 from executor import delta as D  # noqa: N812 - short alias, used on every line
+from executor.apply import apply_sync_delta
 from executor.errors import BadArtifact, HashMismatch, Stopped
 from executor.tensorfile import dtype_from_name, tensor_bytes, write_state
 
@@ -99,7 +100,7 @@ def test_streaming_apply_matches_vectors(tmp_path: Path, vectors: list[dict]) ->
         model, delta_file = tmp_path / "model.safetensors", tmp_path / "delta.zst"
         write_model(model, decode(vector["base"]))
         D.write_delta(decode(vector["delta"]), str(delta_file))
-        result = D.apply_sync_delta(
+        result = apply_sync_delta(
             str(model), str(delta_file), base_hash=vector["base_hash"], result_hash=vector["result_hash"]
         )
         assert result.model_hash == vector["result_hash"]
@@ -120,7 +121,7 @@ def test_streaming_apply_in_small_slices(tmp_path: Path, monkeypatch: pytest.Mon
     model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
     write_model(model, base)
     D.write_delta(sync.delta, str(delta_file))
-    D.apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
+    apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
     assert D.file_state_hash(str(model)) == sync.result_hash
 
 
@@ -151,9 +152,7 @@ def test_apply_accepts_out_of_order_and_seed_format_deltas(tmp_path: Path) -> No
     for payload in (_safetensors_reversed(sync.delta), buffer.getvalue()):
         write_model(model, base)
         delta_file.write_bytes(zstandard.ZstdCompressor().compress(payload))
-        D.apply_sync_delta(
-            str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash
-        )
+        apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
         assert D.file_state_hash(str(model)) == sync.result_hash
         assert D.state_hash(D.read_delta(str(delta_file))) == D.state_hash(sync.delta)
 
@@ -167,7 +166,7 @@ def test_known_base_hash_skips_rehash_but_result_is_still_proven(tmp_path: Path)
     write_model(model, base)
     D.write_delta(sync.delta, str(delta_file))
     with pytest.raises(HashMismatch):
-        D.apply_sync_delta(
+        apply_sync_delta(
             str(model),
             str(delta_file),
             base_hash=sync.base_hash,
@@ -179,7 +178,7 @@ def test_known_base_hash_skips_rehash_but_result_is_still_proven(tmp_path: Path)
     tampered["a.weight"] = base["a.weight"] + 1
     write_model(model, tampered)
     with pytest.raises(HashMismatch):
-        D.apply_sync_delta(
+        apply_sync_delta(
             str(model),
             str(delta_file),
             base_hash=sync.base_hash,
@@ -212,7 +211,7 @@ def test_every_mismatch_leaves_the_model_file_untouched(tmp_path: Path) -> None:
     for label, (delta, base_hash, result_hash, error) in _mismatch_cases(sync).items():
         D.write_delta(delta, str(delta_file))
         with pytest.raises(error):
-            D.apply_sync_delta(str(model), str(delta_file), base_hash=base_hash, result_hash=result_hash)
+            apply_sync_delta(str(model), str(delta_file), base_hash=base_hash, result_hash=result_hash)
         assert model.read_bytes() == before, label
         assert sorted(os.listdir(tmp_path)) == ["d.zst", "m.safetensors"], label
 
@@ -234,7 +233,7 @@ def test_corrupt_and_truncated_deltas_are_bad_artifacts(tmp_path: Path) -> None:
     ):
         delta_file.write_bytes(payload)
         with pytest.raises(BadArtifact):
-            D.apply_sync_delta(
+            apply_sync_delta(
                 str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash
             )
         assert model.read_bytes() == before
@@ -252,7 +251,7 @@ def test_stop_aborts_apply_without_touching_the_model(tmp_path: Path) -> None:
     abort = threading.Event()
     abort.set()
     with pytest.raises(Stopped):
-        D.apply_sync_delta(
+        apply_sync_delta(
             str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash, abort=abort
         )
     assert model.read_bytes() == before

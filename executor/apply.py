@@ -1,0 +1,339 @@
+"""Applying a sync delta to a model file in one streaming pass (DESIGN §4).
+
+Per slice of each tensor: read the base, hash it, cast and add (``apply_rule``),
+hash the result, write it. Memory stays at a few slices whatever the model size
+(no second copy of the model, no decompress-to-disk-then-reload); the model file
+is replaced atomically, and only when both hashes hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+import zstandard
+
+from executor import delta as wire
+from executor.delta import (
+    HASH_PREFIX,
+    apply_rule,
+    check_delta_specs,
+    hash_entry_header,
+    is_floating,
+    result_dtype,
+)
+from executor.errors import BadArtifact, HashMismatch, Stopped
+from executor.fileio import atomic_writer
+from executor.tensorfile import (
+    StreamWriter,
+    TensorSpec,
+    header_length,
+    parse_header,
+    read_header,
+    read_into,
+    tensor_bytes,
+)
+
+# ---------------------------------------------------------------- streaming delta source
+
+
+class DeltaSource:
+    """Tensors of a delta file, handed out slice by slice in sorted key order.
+
+    When the safetensors data lies in sorted key order (as :func:`write_delta`
+    writes it) the zstd stream is consumed sequentially and never held whole;
+    otherwise, or for the seed's torch format, it is decompressed into memory once.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        try:
+            self._reader: zstandard.ZstdDecompressionReader | None = (
+                zstandard.ZstdDecompressor().stream_reader(self._file, read_across_frames=True)
+            )
+            self._position = 0
+            self._memory: memoryview | None = None
+            self._tensors: dict[str, torch.Tensor] | None = None
+            self.specs = self._open()
+        except zstandard.ZstdError as exc:
+            self.close()
+            raise BadArtifact(f"delta is not valid zstd: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_exact(self, count: int) -> bytes:
+        assert self._reader is not None
+        chunks = []
+        remaining = count
+        while remaining:
+            chunk = self._reader.read(remaining)
+            if not chunk:
+                raise BadArtifact("delta stream ended early (truncated)")
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        self._position += count
+        return b"".join(chunks)
+
+    def _open(self) -> dict[str, TensorSpec]:
+        prefix = self._read_exact(8)
+        if not wire.looks_like_safetensors(prefix, None):
+            self._tensors = wire.load_torch_delta(prefix + self._rest())
+            return {n: TensorSpec(n, t.dtype, tuple(t.shape), 0, 0) for n, t in self._tensors.items()}
+        header = parse_header(self._read_exact(header_length(prefix)), None)
+        ordered = sorted(header.specs.values(), key=lambda s: s.name)
+        self._base = header.data_offset
+        if [s.start for s in ordered] != sorted(s.start for s in ordered):
+            # Not in key order: a sequential pass is impossible, hold the data section once.
+            self._memory = memoryview(self._rest())
+        return header.specs
+
+    def _rest(self) -> bytes:
+        assert self._reader is not None
+        return self._reader.read()
+
+    def read_slice(self, spec: TensorSpec, offset: int, nbytes: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes [offset, offset+nbytes) of ``spec``'s data; calls must go forward."""
+        if self._memory is not None:
+            start = spec.start + offset
+            if start + nbytes > len(self._memory):
+                raise BadArtifact("delta data is truncated")
+            out[:nbytes] = self._memory[start : start + nbytes]
+            return
+        target = self._base + spec.start + offset
+        if target < self._position:
+            raise BadArtifact("delta slices requested out of order")
+        if target > self._position:
+            self._skip(target - self._position)
+        got = 0
+        assert self._reader is not None
+        while got < nbytes:
+            n = self._reader.readinto(out[got:nbytes])
+            if not n:
+                raise BadArtifact("delta stream ended early (truncated)")
+            got += n
+        self._position += nbytes
+
+    def _skip(self, count: int) -> None:
+        while count:
+            step = min(count, wire.SLICE_BYTES)
+            self._read_exact(step)
+            count -= step
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """Whole tensors for the torch-format fallback (None when the stream is safetensors)."""
+        return None if self._tensors is None else self._tensors.get(name)
+
+    def close(self) -> None:
+        reader = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.close()
+            self._reader = None
+        self._file.close()
+
+    def __enter__(self) -> DeltaSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- streaming apply
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    model_hash: str
+    keys: int
+    delta_keys: int
+    bytes: int
+    seconds: float
+
+
+RING_SLOTS = 3
+
+
+class _Slot:
+    """Reusable read buffers for one slice in flight."""
+
+    def __init__(self, elements: int) -> None:
+        self.base = bytearray(elements * 8)
+        self.delta = bytearray(elements * 8)
+        self.busy: list[Future[None]] = []
+
+    def wait(self) -> None:
+        for future in self.busy:
+            future.result()
+        self.busy = []
+
+
+def _view(buffer: bytearray, dtype: torch.dtype, count: int) -> torch.Tensor:
+    return torch.frombuffer(buffer, dtype=dtype, count=count) if count else torch.empty(0, dtype=dtype)
+
+
+class _Lane:
+    """One thread that runs its tasks in submission order (hashes must see bytes in order).
+
+    sha256 and ``write`` release the GIL, so the lanes run beside the reading and adding.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._last: Future[None] | None = None
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        self._last = self._pool.submit(fn)
+        return self._last
+
+    def close(self, *, cancel: bool) -> None:
+        """Run (or, after a failure upstream, drop) what is queued; re-raise a lane failure."""
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        if not cancel and self._last is not None:
+            self._last.result()
+
+
+class _Pipeline:
+    """Reading and adding on the caller's thread; hashing and writing on lanes behind it."""
+
+    def __init__(self, writer: StreamWriter, base_hasher: Any, result_hasher: Any, elements: int) -> None:
+        self.writer = writer
+        self.base_hasher = base_hasher
+        self.result_hasher = result_hasher
+        self.elements = elements
+        self.slots = [_Slot(elements) for _ in range(RING_SLOTS)]
+        self.turn = 0
+        self.result_lane = _Lane("delta-result")
+        self.base_lane = _Lane("delta-base") if base_hasher is not None else None
+
+    def next_slot(self) -> _Slot:
+        slot = self.slots[self.turn % RING_SLOTS]
+        self.turn += 1
+        slot.wait()
+        return slot
+
+    def header(self, spec: TensorSpec) -> None:
+        hasher = self.result_hasher
+        self.result_lane.submit(
+            lambda: hash_entry_header(hasher, spec.name, result_dtype(spec.dtype), spec.shape)
+        )
+        if self.base_lane is not None:
+            base_hasher = self.base_hasher
+            self.base_lane.submit(lambda: hash_entry_header(base_hasher, spec.name, spec.dtype, spec.shape))
+
+    def emit(self, slot: _Slot, base_bytes: memoryview, result: torch.Tensor | memoryview) -> None:
+        data = result if isinstance(result, memoryview) else tensor_bytes(result)
+
+        def finish() -> None:
+            self.result_hasher.update(data)
+            self.writer.write(data)
+
+        slot.busy.append(self.result_lane.submit(finish))
+        if self.base_lane is not None:
+            slot.busy.append(self.base_lane.submit(lambda: self.base_hasher.update(base_bytes)))
+
+    def close(self, *, cancel: bool) -> None:
+        for lane in (self.result_lane, self.base_lane):
+            if lane is not None:
+                lane.close(cancel=cancel)
+
+
+def apply_sync_delta(
+    model_path: str,
+    delta_path: str,
+    *,
+    base_hash: str,
+    result_hash: str,
+    abort: threading.Event | None = None,
+    known_base_hash: str | None = None,
+) -> ApplyResult:
+    """Apply a sync delta to a safetensors model file in one streaming pass.
+
+    Per slice of each tensor: read base, hash it, cast and add, hash the result,
+    write it. ``model_path`` is replaced atomically only when the base hash and
+    the result hash both hold; otherwise it is untouched and ``HashMismatch``
+    is raised. ``known_base_hash`` (the hash of the file as this process last
+    wrote it) skips re-hashing the base: the result hash still proves every byte.
+    """
+    started = time.monotonic()
+    if known_base_hash is not None and known_base_hash != base_hash:
+        raise HashMismatch(
+            "local model is not the delta's base", {"expected": base_hash, "local": known_base_hash}
+        )
+    with open(model_path, "rb") as base_file, DeltaSource(delta_path) as source:
+        header = read_header(base_file)
+        check_delta_specs(
+            {n: (s.dtype, s.shape) for n, s in header.specs.items()},
+            {n: (s.dtype, s.shape) for n, s in source.specs.items()},
+        )
+        names = sorted(header.specs)
+        entries = [(n, result_dtype(header.specs[n].dtype), header.specs[n].shape) for n in names]
+        base_hasher = hashlib.sha256() if known_base_hash is None else None
+        result_hasher = hashlib.sha256()
+        with atomic_writer(model_path) as out:
+            writer = StreamWriter(out, entries)
+            _preallocate(out, writer.total_bytes)
+            writer.write_header()
+            pipeline = _Pipeline(writer, base_hasher, result_hasher, wire.SLICE_BYTES // 8)
+            try:
+                for name in names:
+                    if abort is not None and abort.is_set():
+                        raise Stopped("sync delta apply stopped")
+                    pipeline.header(header.specs[name])
+                    _apply_one(base_file, header.data_offset, header.specs[name], source, pipeline)
+            except BaseException:
+                pipeline.close(cancel=True)
+                raise
+            pipeline.close(cancel=False)
+            got_base = HASH_PREFIX + base_hasher.hexdigest() if base_hasher is not None else base_hash
+            got_result = HASH_PREFIX + result_hasher.hexdigest()
+            if got_base != base_hash:
+                raise HashMismatch(
+                    "local model is not the delta's base", {"expected": base_hash, "local": got_base}
+                )
+            if got_result != result_hash:
+                raise HashMismatch(
+                    "result of the delta apply does not match result_hash",
+                    {"expected": result_hash, "got": got_result},
+                )
+        size = os.path.getsize(model_path)
+    return ApplyResult(result_hash, len(names), len(source.specs), size, time.monotonic() - started)
+
+
+def _preallocate(out: IO[bytes], nbytes: int) -> None:
+    # Allocating the blocks up front makes the writes plain copies into the page cache.
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fallocate(out.fileno(), 0, nbytes)
+
+
+def _apply_one(
+    base_file: IO[bytes], data_offset: int, spec: TensorSpec, source: DeltaSource, pipeline: _Pipeline
+) -> None:
+    delta_spec = source.specs.get(spec.name)
+    whole = source.tensor(spec.name)
+    whole_flat = whole.reshape(-1) if whole is not None else None
+    done = 0
+    while done < spec.numel:
+        count = min(pipeline.elements, spec.numel - done)
+        slot = pipeline.next_slot()
+        base_view = memoryview(slot.base)[: count * spec.dtype.itemsize]
+        read_into(base_file, data_offset + spec.start + done * spec.dtype.itemsize, base_view)
+        if not is_floating(spec.dtype):
+            pipeline.emit(slot, base_view, base_view)
+        else:
+            delta: torch.Tensor | None = None
+            if whole_flat is not None:
+                delta = whole_flat[done : done + count]
+            elif delta_spec is not None:
+                size = delta_spec.dtype.itemsize
+                source.read_slice(delta_spec, done * size, count * size, memoryview(slot.delta))
+                delta = _view(slot.delta, delta_spec.dtype, count)
+            pipeline.emit(slot, base_view, apply_rule(_view(slot.base, spec.dtype, count), delta))
+        done += count
