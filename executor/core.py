@@ -45,7 +45,14 @@ from executor.results import (
     RoundResult,
 )
 from executor.rounds import round_result, ship_delta
-from executor.session import Session, check_load_args, check_params, model_fingerprint, parse_delta_dtype
+from executor.session import (
+    Session,
+    check_int,
+    check_load_args,
+    check_params,
+    model_fingerprint,
+    parse_delta_dtype,
+)
 from executor.shards import ShardCache, ShardDescriptor
 from executor.stopping import StopSignal, UserCodeShield
 from settings import Settings, get_settings
@@ -265,8 +272,7 @@ class Executor:
         if mode not in ("training", "inference"):
             raise InvalidRequest(f"mode must be 'training' or 'inference', got {mode!r}")
         for name, value in (("steps", steps), ("round_num", round_num), ("total_rounds", total_rounds)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidRequest(f"{name} must be a non-negative integer")
+            check_int(name, value, 0)
         self._round = RoundSpec(steps, round_num, total_rounds, max(0, int(step_offset)), mode)
         self._stopped = False
         self.execution_error = None

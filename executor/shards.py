@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,7 +28,7 @@ from executor import transfer
 from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, Stopped
 from executor.fileio import temp_path_for
 from executor.ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
-from executor.locks import FileLock
+from executor.locks import POLL_S, FileLock
 
 logger = logging.getLogger(__name__)
 
@@ -195,24 +196,51 @@ class ShardCache:
         path = self.entry_path(tenant, descriptor)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         lock = FileLock(path[: -len(ENTRY_SUFFIX)] + LOCK_SUFFIX)
+        downloaded = False
         try:
-            lock.acquire(shared=True, abort=abort)
-            if os.path.exists(path):
-                self.hits += 1
-                return self._pin(path, lock)
-            lock.release()
-            lock.acquire(abort=abort)
-            if not os.path.exists(path):
-                self.misses += 1
-                self._download(tenant, descriptor, path, abort, progress)
-            with self.ledger.locked():
-                # Downgrade under the global lock so that no evictor slips in between.
+            while True:
+                lock.acquire(shared=True, abort=abort)
+                if os.path.exists(path):
+                    if not downloaded:
+                        self.hits += 1
+                    return self._pin(path, lock)
                 lock.release()
-                lock.acquire(shared=True)
-            return self._pin(path, lock)
+                if not self._writer_lock(lock, path, abort):
+                    continue  # someone else finished it meanwhile: read it under a shared lock
+                if not os.path.exists(path):
+                    self.misses += 1
+                    self._download(tenant, descriptor, path, abort, progress)
+                    downloaded = True
+                if self._downgrade(lock):
+                    return self._pin(path, lock)
+                # Another reader took the exclusive lock in the gap; it will find the file.
         except BaseException:
             lock.close()
             raise
+
+    @staticmethod
+    def _writer_lock(lock: FileLock, path: str, abort: threading.Event | None) -> bool:
+        """Take the entry's exclusive lock to download it; False as soon as the file exists.
+
+        Readers pin a finished entry with shared locks for as long as they use it, so
+        waiting for the exclusive lock alone could wait forever for a file already there.
+        """
+        while not lock.try_acquire():
+            if os.path.exists(path):
+                return False
+            if abort is not None and abort.wait(POLL_S):
+                raise Stopped("stopped while waiting for a shard another reader is downloading")
+            if abort is None:
+                time.sleep(POLL_S)
+        return True
+
+    def _downgrade(self, lock: FileLock) -> bool:
+        """Exclusive to shared, with no evictor in between (they evict only under the global
+        lock). Never blocks while holding the global lock: a waiter that grabs the entry in
+        the gap would need that lock to finish, so a blocking wait here could deadlock."""
+        with self.ledger.locked():
+            lock.release()
+            return lock.try_acquire(shared=True)
 
     def _pin(self, path: str, lock: FileLock) -> Pin:
         with contextlib.suppress(OSError):
@@ -252,19 +280,8 @@ class ShardCache:
             tenant, digest, size, pinned_bytes=pinned, abort=abort, wait_timeout_s=self.wait_timeout_s
         )
         try:
-            if descriptor.compression == "none":
-                result = transfer.fetch(
-                    descriptor.url,
-                    path,
-                    config=self.transfer_config,
-                    abort=abort,
-                    sha256=descriptor.sha256,
-                    size=size,
-                    progress=progress,
-                )
-                self.downloaded_bytes += result.bytes - result.resumed_bytes
-                return
-            packed = path[: -len(ENTRY_SUFFIX)] + ".zst"
+            # A zstd shard arrives packed beside its entry and is decoded into it.
+            packed = path if descriptor.compression == "none" else path[: -len(ENTRY_SUFFIX)] + ".zst"
             result = transfer.fetch(
                 descriptor.url,
                 packed,
@@ -275,6 +292,8 @@ class ShardCache:
                 progress=progress,
             )
             self.downloaded_bytes += result.bytes - result.resumed_bytes
+            if packed == path:
+                return
             try:
                 self._decompress(packed, path, reservation, size, pinned, abort)
             finally:

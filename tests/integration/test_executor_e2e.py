@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import zstandard
 from safetensors.torch import save_file
 
 from executor import Executor
@@ -17,73 +16,7 @@ from executor.delta import file_state_hash, make_sync_delta, read_delta, state_h
 from executor.errors import BadArtifact, ScriptRejected
 from executor.results import ApplyVia, ExecutorState, RoundStatus
 from settings import Settings
-from tests.support.http_server import FaultServer
-
-TRAIN_CODE = """
-import torch.nn.functional as F
-state = load_model(model_path)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-model.load_state_dict(state)
-model = place_model(model)
-opt = torch.optim.SGD(model.parameters(), lr=params.get("lr", 0.05))
-for step in range(steps):
-    should_stop()
-    shard = get_shard((round_num * steps + step) % num_shards)
-    x, y = shard["x"].to(device), shard["y"].to(device)
-    loss = F.mse_loss(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    emit_stats({"step": step_offset + step, "loss": loss})
-emit_log(f"done {steps} steps on {device}")
-save_model(model)
-save_report({"final_loss": loss.item(), "steps": steps})
-"""
-
-
-def mlp_state(seed: int = 0) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def make_shards(root: Path, count: int = 3) -> list[dict]:
-    g = torch.Generator().manual_seed(7)
-    true_w = torch.randn(8, 1, generator=g)
-    descriptors = []
-    for i in range(count):
-        x = torch.randn(256, 8, generator=g)
-        buffer = io.BytesIO()
-        torch.save({"x": x, "y": torch.tanh(x @ true_w)}, buffer)
-        packed = zstandard.ZstdCompressor().compress(buffer.getvalue())
-        (root / f"shard{i}.pt.zst").write_bytes(packed)
-        descriptors.append({"name": f"shard{i}.pt.zst", "compression": "zstd", "size_bytes": len(packed)})
-    return descriptors
-
-
-@pytest.fixture
-def env(tmp_path: Path):
-    root = tmp_path / "srv"
-    (root / "uploads").mkdir(parents=True)
-    save_file(mlp_state(), str(root / "model.safetensors"))
-    torch.save(mlp_state(), root / "model.pt")
-    shards = make_shards(root)
-    settings = Settings(
-        work_dir=str(tmp_path / "work"),
-        cache_dir=str(tmp_path / "cache"),
-        download_backoff_s=0.01,
-        host_id="test-host",
-    )
-    with FaultServer(root) as server:
-        descriptors = [
-            {
-                "url": server.url(d["name"], "X-Amz-Signature=secret"),
-                "compression": "zstd",
-                "size_bytes": d["size_bytes"],
-            }
-            for d in shards
-        ]
-        yield server, root, settings, descriptors
+from tests.support.engine import TRAIN_CODE, mlp_state
 
 
 def new_executor(settings: Settings, sink: dict) -> Executor:

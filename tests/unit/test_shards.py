@@ -302,3 +302,32 @@ def test_session_holds_one_decoded_shard_and_checks_indexes(served, tmp_path: Pa
         with pytest.raises(ShardIndexError):
             session.get(bad)  # type: ignore[arg-type]
     session.close()
+
+
+def test_threads_racing_for_one_missing_shard_download_it_once(served, tmp_path: Path) -> None:
+    # Regression: a reader that grabbed the entry between the downloader's exclusive and
+    # shared lock used to deadlock against the downloader holding the global lock.
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    for round_index in range(3):
+        i = round_index + 1
+        server.add_fault(f"s{i}.pt", "slow", times=1, chunk_bytes=64 * 1024, delay_s=0.02)
+        pins: list = []
+        errors: list = []
+
+        def take(index: int, pins: list = pins, errors: list = errors) -> None:
+            try:
+                pins.append(cache.acquire("t", desc(server, root, index)))
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=take, args=(i,)) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "threads deadlocked on one entry"
+        assert not errors and len(pins) == 6
+        assert server.count(f"s{i}.pt") == 1
+        for pin in pins:
+            pin.release()
