@@ -30,7 +30,7 @@ test: lint typecheck
 	$(PY) -m pytest -q
 
 demo: install
-	$(PY) -m executor.demo
+	$(VENV)/bin/roundhouse demo
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -104,7 +104,8 @@ def _rounds(console: Console, ex: Executor, root: Path, base: str, shards: list[
     for column in ("round", "first loss", "last loss", "delta bytes", "sync via", "model hash"):
         table.add_column(column)
     global_state = load_file(str(root / "model.safetensors"))
-    losses = []
+    losses: list[float] = []
+    start_loss = 0.0
     for round_num in range(ROUNDS):
         result = ex.run_round(steps=STEPS, round_num=round_num, total_rounds=ROUNDS)
         if result.error is not None or result.delta is None or result.delta.path is None:
@@ -123,6 +124,7 @@ def _rounds(console: Console, ex: Executor, root: Path, base: str, shards: list[
         )
         global_state = sync.result
         report = result.report or {}
+        start_loss = start_loss or float(report["first_loss"])
         losses.append(float(report["last_loss"]))
         table.add_row(
             str(round_num),
@@ -136,7 +138,10 @@ def _rounds(console: Console, ex: Executor, root: Path, base: str, shards: list[
     if not losses[-1] < losses[0]:
         console.print("[red]the loss did not fall[/red]")
         return 1
-    console.print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}; every sync was bit-exact")
+    console.print(
+        f"loss fell from {start_loss:.4f} (untrained) to {losses[0]:.4f} after round 0 "
+        f"and {losses[-1]:.4f} after round {ROUNDS - 1}; every sync was bit-exact"
+    )
     return 0
 
 
