@@ -74,7 +74,9 @@ class TransferConfig:
     backoff_s: float = 2.0  # sleep backoff_s * attempt between attempts
     connect_timeout_s: float = 30.0
     read_timeout_s: float = 300.0  # a read stalled longer than this fails the attempt
-    buffer_bytes: int = 4 * MIB  # the reused read buffer of each stream
+    # Files are copied and hashed through one reused buffer of this size; network reads take
+    # at most this much per call, straight from urllib3's read1 (its readinto is read + copy).
+    buffer_bytes: int = 4 * MIB
     parallel_min_bytes: int = 64 * MIB
     parallel_connections: int = 8
 
