@@ -1,6 +1,11 @@
-"""Roundhouse's engine: everything a worker does, usable as a plain library (no Celery)."""
+"""Roundhouse's engine: everything a worker does, usable as a plain library (no Celery).
 
-from executor.core import Executor
+``Executor`` is imported on first use: importing the package (its errors and results)
+must not import torch, so that the Celery MainProcess stays free of it.
+"""
+
+from typing import TYPE_CHECKING, Any
+
 from executor.errors import (
     BadArtifact,
     DownloadFailed,
@@ -14,6 +19,18 @@ from executor.errors import (
     UserCodeError,
 )
 from executor.results import ApplyOutcome, DeltaInfo, ExecutorState, LoadResult, RoundResult, RoundStatus
+
+if TYPE_CHECKING:
+    from executor.core import Executor
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Executor":
+        from executor.core import Executor
+
+        return Executor
+    raise AttributeError(f"module 'executor' has no attribute {name!r}")
+
 
 __all__ = [
     "ApplyOutcome",

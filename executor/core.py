@@ -54,7 +54,7 @@ from executor.session import (
     parse_delta_dtype,
 )
 from executor.shards import ShardCache, ShardDescriptor
-from executor.stopping import StopSignal, UserCodeShield
+from executor.stopping import DoneThread, StopSignal, UserCodeShield
 from settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class Executor:
             bundle_max_files=self.settings.bundle_max_files,
             progress=self._progress_reporter,
         )
-        self._thread: threading.Thread | None = None
+        self._thread: DoneThread | None = None
         self._process: Any = None  # the sandboxed runner (executor.sandbox), when one runs
         self._session: Session | None = None
         self._round = RoundSpec(100, 0, 1, 0, "training")
@@ -159,7 +159,7 @@ class Executor:
         return ExecutorState.LOADED if self._session is not None else ExecutorState.IDLE
 
     def is_running(self) -> bool:
-        return bool(self._thread and self._thread.is_alive())
+        return bool(self._thread and self._thread.running)
 
     # ------------------------------------------------------------ load phase
 
@@ -299,10 +299,9 @@ class Executor:
         self.report = outcome.report
         self.training_time = outcome.training_time
 
-    def wait(self) -> None:
-        """Block until tenant code finishes."""
-        if self._thread:
-            self._thread.join()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until tenant code finishes (or ``timeout_s`` passes); True when it has."""
+        return self._thread is None or self._thread.wait(timeout_s)
 
     def run_round(
         self,
@@ -518,9 +517,9 @@ class Executor:
         deadline = time.monotonic() + self.settings.stop_join_timeout_s
         thread = self._thread
         # Re-deliver periodically: tenant code may catch one StopExecution in a bare except.
-        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+        while thread is not None and thread.running and time.monotonic() < deadline:
             self._shield.interrupt()
-            thread.join(timeout=0.25)
+            thread.wait(0.25)
         session = self._session
         if session is not None:
             session.dataset.wait_prefetch(max(0.0, deadline - time.monotonic()))
@@ -529,7 +528,7 @@ class Executor:
         threads = [self._thread]
         if self._session is not None:
             threads.append(self._session.dataset.prefetch_thread)
-        return [t.name for t in threads if t is not None and t.is_alive()]
+        return [t.name for t in threads if t is not None and t.running]
 
     def reset(self, *, tenant: str | None = None) -> int:
         """The tenant boundary: stop, then wipe the work dir, the tenant's cache entries and

@@ -17,6 +17,7 @@ import torch
 
 from executor.errors import BadArtifact, RoundhouseError, ShardIndexError, Stopped
 from executor.shards import Pin, Progress, ShardCache, ShardDescriptor
+from executor.stopping import DoneThread
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ShardSession:
         self._progress = progress
         self._lock = threading.Lock()
         self._pins: dict[int, Pin] = {}
-        self._prefetch: threading.Thread | None = None
+        self._prefetch: DoneThread | None = None
         self._decoded_index: int | None = None
         self._decoded: Any = None
         self._current: int | None = None
@@ -72,7 +73,7 @@ class ShardSession:
         return len(self.descriptors)
 
     @property
-    def prefetch_thread(self) -> threading.Thread | None:
+    def prefetch_thread(self) -> DoneThread | None:
         return self._prefetch
 
     def check_index(self, index: object) -> int:
@@ -149,11 +150,9 @@ class ShardSession:
 
     def _start_prefetch(self, index: int) -> None:
         with self._lock:
-            if index in self._pins or (self._prefetch is not None and self._prefetch.is_alive()):
+            if index in self._pins or (self._prefetch is not None and self._prefetch.running):
                 return
-            self._prefetch = threading.Thread(
-                target=self._prefetch_one, args=(index,), name="shard-prefetch", daemon=True
-            )
+            self._prefetch = DoneThread(lambda: self._prefetch_one(index), "shard-prefetch")
             self._prefetch.start()
 
     def _prefetch_one(self, index: int) -> None:
@@ -191,10 +190,7 @@ class ShardSession:
 
     def wait_prefetch(self, timeout_s: float | None = None) -> bool:
         thread = self._prefetch
-        if thread is not None:
-            thread.join(timeout_s)
-            return not thread.is_alive()
-        return True
+        return thread is None or thread.wait(timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Release pins and memory; False when the prefetch thread did not end in time."""

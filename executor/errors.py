@@ -54,9 +54,15 @@ class RoundhouseError(Exception):
     code: ClassVar[str] = "internal_error"
 
     def __init__(self, message: str, details: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
+        clean = {k: v for k, v in (details or {}).items() if k != "code"}
+        # args carry the code too: Celery's JSON result of a failed task is the exception's
+        # type name and args, and a client without this module must still read the code.
+        super().__init__(message, {"code": self.code, **clean})
         self.message = message
-        self.details: dict[str, Any] = dict(details or {})
+        self.details: dict[str, Any] = clean
+
+    def __str__(self) -> str:
+        return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Subclasses keep the (message, details) constructor, so one rule pickles all.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from executor import placement
 from executor.errors import RoundhouseError, StopExecution, Stopped, UserCodeError
 from executor.guard import execute_script
 from executor.namespace import RoundOutputs, cpu_state
-from executor.stopping import UserCodeShield
+from executor.stopping import DoneThread, UserCodeShield
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class ThreadRound:
         self._shield = shield
         self._emit_log = emit_log
         self._on_done = on_done
-        self.thread = threading.Thread(target=self._main, daemon=True, name="executor")
+        self.thread = DoneThread(self._main, "executor")
 
     def start(self) -> None:
         self.thread.start()

@@ -131,3 +131,30 @@ class UserCodeShield:
             if thread is None or self._depth > 0:
                 return False
             return interrupt_thread(thread)
+
+
+class DoneThread(threading.Thread):
+    """A thread whose end is an Event, so that waiting for it is safe from signal handlers.
+
+    CPython's ``Thread.join``, when a signal handler raises in the waiting thread (Celery's
+    soft time limit does), can mark a thread that is still running as stopped. Waiting on
+    an Event has no such side effect.
+    """
+
+    def __init__(self, target: Callable[[], None], name: str) -> None:
+        super().__init__(target=target, name=name, daemon=True)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.done.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True once the thread's work is over (it may still be unwinding for a moment)."""
+        return self.done.wait(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self.is_alive() and not self.done.is_set()

@@ -38,6 +38,15 @@ class Settings(BaseSettings):
     result_backend: str | None = None
     events_url: str | None = None
 
+    # Celery and events
+    visibility_timeout_s: int = 7 * 24 * 3600
+    events_stream_maxlen: int = 10_000
+    events_buffer_size: int = 10_000
+    heartbeat_interval_s: float = 5.0
+    heartbeat_ttl_s: float = 20.0
+    revoke_poll_s: float = 0.2
+    soft_time_limit_s: float | None = None
+
     # Disk
     work_dir: str = Field(default_factory=lambda: os.path.join(os.getcwd(), "var", "work"))
     cache_dir: str = Field(default_factory=lambda: os.path.join(os.getcwd(), "var", "cache"))
@@ -79,6 +88,20 @@ class Settings(BaseSettings):
     @property
     def queue(self) -> str:
         return f"roundhouse.{self.host_id}"
+
+    @property
+    def results_url(self) -> str:
+        return self.result_backend or self.broker_url
+
+    @property
+    def redis_events_url(self) -> str:
+        """Events, heartbeats and stop requests need Redis, even when the broker is not Redis."""
+        url = self.events_url or self.broker_url
+        if url.split("://", 1)[0] not in ("redis", "rediss", "redis+socket", "unix"):
+            raise ValueError(
+                f"events need a Redis URL: set ROUNDHOUSE_EVENTS_URL (the broker is {url.split('://', 1)[0]})"
+            )
+        return url
 
 
 @lru_cache(maxsize=1)

@@ -1,5 +1,8 @@
-"""Roundhouse's Celery glue (DESIGN §2): kept thin; the engine is ``executor``.
+"""Roundhouse's Celery glue (DESIGN §2), kept thin; the engine is ``executor``.
 
-For now this package holds the ``roundhouse`` command line; the Celery app, the
-tasks, events and revocation land here next (``celery -A tasks worker``).
+``celery -A tasks worker`` finds the app here: ``tasks.app`` is the Celery app.
 """
+
+from tasks.app import app
+
+__all__ = ["app"]

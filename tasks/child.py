@@ -1,0 +1,229 @@
+"""What lives in the prefork child: one Executor, its events, its stop paths, its heartbeat.
+
+Created in ``worker_process_init`` — after the fork, so CUDA (which is not fork-safe)
+is only ever touched here, never in the MainProcess — and reused by every task the
+child runs. The Executor's session dir is fixed per host, so a replacement child
+finds the previous one's files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery.exceptions import SoftTimeLimitExceeded
+
+from executor.errors import Stopped
+from settings import Settings
+from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
+from tasks.events import EventPublisher
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_PREFIX = "roundhouse:hosts:"
+
+
+def heartbeat_key(host_id: str) -> str:
+    return HEARTBEAT_PREFIX + host_id
+
+
+@dataclass
+class Current:
+    """The task the child is running now."""
+
+    task_id: str
+    name: str
+    round_num: int | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    reason: str | None = None
+
+
+class ChildRuntime:
+    def __init__(self, settings: Settings) -> None:
+        from executor import Executor  # imported here: torch stays out of the MainProcess
+
+        self.settings = settings
+        self.host_id = settings.host_id
+        self.events = EventPublisher(
+            settings.redis_events_url,
+            settings.host_id,
+            stream_maxlen=settings.events_stream_maxlen,
+            buffer_size=settings.events_buffer_size,
+        )
+        self._lock = threading.Lock()
+        self.current: Current | None = None
+        self.executor = Executor(
+            self._stats,
+            self._log,
+            settings=settings,
+            session_dir=os.path.join(settings.work_dir, settings.host_id, "session"),
+            emit_state=self._progress,
+        )
+        self.mailbox = StopMailbox(mailbox_dir(settings.work_dir, settings.host_id))
+        self.signals = SignalPipe(self._on_signal)
+        self.watcher = StopWatcher(settings.redis_events_url, settings.host_id, self._on_remote_stop)
+        self._redis = redis.Redis.from_url(
+            settings.redis_events_url, socket_timeout=2, socket_connect_timeout=2
+        )
+        self._heartbeat = threading.Thread(target=self._beat, name="roundhouse-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # ------------------------------------------------------------ events
+
+    def emit(self, kind: str, data: dict[str, Any]) -> None:
+        current = self.current
+        self.events.emit(
+            kind,
+            data,
+            task_id=current.task_id if current else None,
+            task=current.name if current else None,
+            round_num=current.round_num if current else None,
+        )
+
+    def _stats(self, data: dict[str, Any]) -> None:
+        self.emit("stats", data)
+
+    def _log(self, text: str) -> None:
+        self.emit("log", {"text": text})
+
+    def _progress(self, data: dict[str, Any]) -> None:
+        self.emit("progress", data)
+
+    # ------------------------------------------------------------ tasks
+
+    @contextlib.contextmanager
+    def task(self, task_id: str, name: str, round_num: int | None = None) -> Iterator[Current]:
+        """Bracket one task: state events, and the stop paths aimed at it."""
+        current = Current(task_id, name, round_num)
+        with self._lock:
+            self.current = current
+        started = time.monotonic()
+        self.emit("state", {"event": "task-started"})
+        if self.watcher.requested(task_id) or self.mailbox.holds(task_id):
+            self.request_stop("requested before start")
+        outcome = "failed"
+        try:
+            yield current
+            outcome = "stopped" if current.stop.is_set() else "succeeded"
+        except SoftTimeLimitExceeded:
+            # Outside a round's wait (a download, an apply) the soft limit is a stop too.
+            outcome = "stopped"
+            raise Stopped("soft time limit exceeded") from None
+        finally:
+            self.emit(
+                "state",
+                {
+                    "event": "task-finished",
+                    "outcome": outcome,
+                    "seconds": round(time.monotonic() - started, 6),
+                },
+            )
+            self.mailbox.clear(task_id)
+            with self._lock:
+                self.current = None
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the current task, whatever phase it is in (thread-safe; not for signal handlers)."""
+        with self._lock:
+            current = self.current
+        if current is None or current.stop.is_set():
+            return
+        current.reason = reason
+        current.stop.set()
+        self.emit("state", {"event": "stop-requested", "reason": reason})
+        # Downloads on the task's thread abort at once; a running round is stopped by
+        # wait_round, on the task's own thread.
+        self.executor.abort_event.set()
+
+    def _on_signal(self) -> None:
+        current = self.current
+        if current is None:
+            return
+        if self.mailbox.holds(current.task_id) or not self.mailbox.any():
+            # A note for this task (plain revoke), or no note at all (Celery's terminate).
+            self.request_stop("revoked")
+
+    def _on_remote_stop(self, task_id: str) -> None:
+        current = self.current
+        if current is not None and current.task_id == task_id:
+            self.request_stop("stop requested through Redis")
+
+    def wait_round(self, current: Current) -> None:
+        """Wait for the round's thread; re-apply a stop that raced its start."""
+        checked = time.monotonic()
+        while self.executor.is_running():
+            try:
+                if current.stop.is_set():
+                    self.executor.stop()
+                    continue
+                self.executor.wait(0.1)
+                if time.monotonic() - checked > 1.0:
+                    # A Redis stop sent while the watcher was reconnecting is still in its key.
+                    checked = time.monotonic()
+                    if self.watcher.requested(current.task_id):
+                        self.request_stop("stop requested through Redis")
+            except SoftTimeLimitExceeded:
+                self.request_stop("soft time limit")
+
+    # ------------------------------------------------------------ heartbeat and status
+
+    def status(self) -> dict[str, Any]:
+        ex_status = self.executor.status()
+        current = self.current
+        return {
+            "host_id": self.host_id,
+            "pid": os.getpid(),
+            "gpu": gpu_info(self.settings),
+            "state": ex_status["state"],
+            "model_hash": ex_status["model_hash"],
+            "tenant": ex_status["tenant"],
+            "task_id": current.task_id if current else None,
+            "queue": self.settings.queue,
+            "cache": ex_status["cache"],
+            "events": {"published": self.events.published, "dropped": self.events.dropped},
+            "versions": versions(),
+        }
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                beat = self.status()
+                beat["ts"] = time.time()
+                self._redis.set(
+                    heartbeat_key(self.host_id),
+                    json.dumps(beat),
+                    ex=max(1, int(self.settings.heartbeat_ttl_s)),
+                )
+            except Exception as exc:  # a heartbeat must never take the child down
+                logger.debug("heartbeat failed: %s", exc)
+            time.sleep(self.settings.heartbeat_interval_s)
+
+
+def gpu_info(settings: Settings) -> dict[str, Any]:
+    info: dict[str, Any] = {"index": settings.gpu, "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        info["name"] = torch.cuda.get_device_name(0)
+        info["memory_allocated"] = torch.cuda.memory_allocated()
+    return info
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for package in ("roundhouse", "torch", "celery"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = "unknown"
+    return out

@@ -1,0 +1,191 @@
+"""``RoundClient``: what an orchestrator uses to drive Roundhouse workers.
+
+Every call is routed to one host's own queue (``roundhouse.<host_id>``); tasks are
+sent by name (``send_task``), so the client needs none of the worker's code. Live
+hosts come from their heartbeat keys; events are replayed from the capped stream
+and then followed live, without gaps or repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from settings import Settings, celery_config, get_settings
+from tasks.child import HEARTBEAT_PREFIX, heartbeat_key
+from tasks.control import send_stop
+from tasks.events import Event, channel_name, stream_name
+
+
+class RoundClient:
+    def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
+        self.settings = settings or get_settings()
+        if app is None:
+            app = Celery("roundhouse-client", set_as_current=False)
+            app.conf.update(celery_config(self.settings))
+        self.app = app
+        self.redis = redis.Redis.from_url(
+            self.settings.redis_events_url, socket_timeout=10, socket_connect_timeout=5
+        )
+        self._hosts_of: dict[str, str] = {}
+
+    # ------------------------------------------------------------ hosts
+
+    def hosts(self, *, idle_only: bool = False) -> list[dict[str, Any]]:
+        """Live workers (those whose heartbeat has not expired), optionally only idle ones."""
+        found = []
+        for key in self.redis.scan_iter(match=HEARTBEAT_PREFIX + "*", count=100):
+            raw = self.redis.get(key)
+            if raw is None:
+                continue
+            beat = json.loads(raw)
+            if idle_only and beat.get("state") == "running":
+                continue
+            found.append(beat)
+        return sorted(found, key=lambda beat: str(beat.get("host_id")))
+
+    def heartbeat(self, host: str) -> dict[str, Any] | None:
+        raw = self.redis.get(heartbeat_key(host))
+        return None if raw is None else dict(json.loads(raw))
+
+    # ------------------------------------------------------------ tasks
+
+    def _send(self, host: str, name: str, kwargs: dict[str, Any]) -> AsyncResult:
+        queue = f"roundhouse.{host}"
+        result = self.app.send_task(name, kwargs=kwargs, queue=queue, routing_key=queue)
+        self._hosts_of[result.id] = host
+        return result
+
+    def load_model(
+        self,
+        host: str,
+        model_url: str,
+        dataset_shards: list[Any],
+        code: str,
+        batch_size: int = 32,
+        params: dict[str, Any] | None = None,
+        initial_shard_index: int = 0,
+        tenant: str = "default",
+    ) -> AsyncResult:
+        return self._send(
+            host,
+            "roundhouse.load_model",
+            {
+                "model_url": model_url,
+                "dataset_shards": dataset_shards,
+                "code": code,
+                "batch_size": batch_size,
+                "params": params,
+                "initial_shard_index": initial_shard_index,
+                "tenant": tenant,
+            },
+        )
+
+    def run_round(
+        self,
+        host: str,
+        steps: int = 100,
+        round_num: int = 0,
+        total_rounds: int = 1,
+        mode: str = "training",
+        step_offset: int = 0,
+        delta_url: str | None = None,
+        delta_dtype: str = "float16",
+    ) -> AsyncResult:
+        return self._send(
+            host,
+            "roundhouse.run_round",
+            {
+                "steps": steps,
+                "round_num": round_num,
+                "total_rounds": total_rounds,
+                "mode": mode,
+                "step_offset": step_offset,
+                "delta_url": delta_url,
+                "delta_dtype": delta_dtype,
+            },
+        )
+
+    def apply_delta(
+        self,
+        host: str,
+        model_url: str,
+        delta_url: str | None = None,
+        base_hash: str | None = None,
+        result_hash: str | None = None,
+        params: dict[str, Any] | None = None,
+        dataset_shards: list[Any] | None = None,
+    ) -> AsyncResult:
+        return self._send(
+            host,
+            "roundhouse.apply_delta",
+            {
+                "model_url": model_url,
+                "delta_url": delta_url,
+                "base_hash": base_hash,
+                "result_hash": result_hash,
+                "params": params,
+                "dataset_shards": dataset_shards,
+            },
+        )
+
+    def reset(self, host: str, tenant: str | None = None) -> AsyncResult:
+        return self._send(host, "roundhouse.reset", {"tenant": tenant})
+
+    def status(self, host: str) -> AsyncResult:
+        return self._send(host, "roundhouse.status", {})
+
+    def stop(self, task_id: str, host: str | None = None) -> None:
+        """Stop a task through Redis: works before it starts, and whatever the broker does."""
+        target = host or self._hosts_of.get(task_id)
+        if target is None:
+            raise ValueError(f"which host runs {task_id}? pass host=")
+        send_stop(self.redis, target, task_id)
+
+    # ------------------------------------------------------------ events
+
+    def events(
+        self, host: str, since: int | None = None, *, idle_timeout_s: float | None = None
+    ) -> Iterator[Event]:
+        """Events of ``host`` with ``seq > since`` (all kept, when None): replay, then live.
+
+        Subscribes before replaying, so nothing published in between is lost; what both
+        deliver is yielded once. When Redis goes away the subscription is renewed and the
+        stream replayed from the last seq seen. Ends after ``idle_timeout_s`` without an event.
+        """
+        last = since if since is not None else 0
+        quiet_since = time.monotonic()
+        while idle_timeout_s is None or time.monotonic() - quiet_since < idle_timeout_s:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(channel_name(host))
+                for event in self._replay(host, last):
+                    last = event.seq or last
+                    quiet_since = time.monotonic()
+                    yield event
+                while idle_timeout_s is None or time.monotonic() - quiet_since < idle_timeout_s:
+                    message = pubsub.get_message(timeout=0.2)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    event = Event.from_json(message["data"])
+                    if event.seq is None or event.seq <= last:
+                        continue
+                    last = event.seq
+                    quiet_since = time.monotonic()
+                    yield event
+            except redis.ConnectionError:
+                time.sleep(0.2)  # Redis is away: subscribe and replay again when it is back
+            finally:
+                pubsub.close()
+
+    def _replay(self, host: str, after: int) -> Iterator[Event]:
+        for _entry_id, fields in self.redis.xrange(stream_name(host)) or []:
+            event = Event.from_json(fields[b"msg"])  # type: ignore[index]
+            if event.seq is not None and event.seq > after:
+                yield event

@@ -1,0 +1,212 @@
+"""The stop button: three ways to stop a running round, one way it ends (DESIGN §6).
+
+1. ``app.control.revoke(task_id)`` — Celery 5.7 leaves a running task alone, so
+   :class:`RevokeForwarder`, a bootstep in the MainProcess, compares
+   ``celery.worker.state.revoked`` with the active requests every
+   ``ROUNDHOUSE_REVOKE_POLL_S``; for a revoked running task it drops a note in the
+   host's stop mailbox (a file named for the task) and sends SIGUSR2 to the child.
+   The note makes the stop exact: the child stops only the task it names.
+2. ``revoke(task_id, terminate=True, signal="SIGUSR2")`` — Celery signals the child
+   itself. billiard replaces handlers for SIGTERM/SIGHUP/SIGQUIT/SIGUSR1 in the
+   child; a SIGUSR2 handler installed in ``worker_process_init`` survives. Since the
+   child survives too, the forwarder clears billiard's ``_job_terminated`` flag after
+   such a terminate, so that a later real crash of that child is still reported as a
+   failure and not as REVOKED.
+3. :meth:`tasks.client.RoundClient.stop` — a key ``roundhouse:stop:<task_id>`` and a
+   message on ``roundhouse:control:<host>``, watched by a thread in the child
+   (:class:`StopWatcher`), so it works whatever the broker is doing.
+
+In the child the signal handler only writes one byte to a pipe (nothing else is safe
+in a handler that may interrupt a lock holder); a thread reads it and acts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import bootsteps
+from celery.worker import state as worker_state
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNAL = signal.SIGUSR2
+STOP_KEY_TTL_S = 24 * 3600
+
+
+def stop_key(task_id: str) -> str:
+    return f"roundhouse:stop:{task_id}"
+
+
+def control_channel(host_id: str) -> str:
+    return f"roundhouse:control:{host_id}"
+
+
+def send_stop(client: redis.Redis, host_id: str, task_id: str) -> None:
+    """Path 3: ask ``host_id`` to stop ``task_id`` through Redis (before or after it started)."""
+    client.set(stop_key(task_id), "1", ex=STOP_KEY_TTL_S)
+    client.publish(control_channel(host_id), task_id)
+
+
+class StopMailbox:
+    """Notes from the MainProcess to its child, one file per task to stop."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+
+    def _path(self, task_id: str) -> str:
+        return os.path.join(self.directory, "stop-" + task_id.replace("/", "_"))
+
+    def post(self, task_id: str) -> None:
+        with open(self._path(task_id), "w", encoding="ascii") as note:
+            note.write(str(time.time()))
+
+    def holds(self, task_id: str) -> bool:
+        return os.path.exists(self._path(task_id))
+
+    def any(self) -> bool:
+        return any(name.startswith("stop-") for name in os.listdir(self.directory))
+
+    def clear(self, task_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(task_id))
+
+
+class RevokeForwarder(bootsteps.StartStopStep):
+    """MainProcess: turn a plain revoke of a running task into a stop of the child."""
+
+    requires = ("celery.worker.components:Timer", "celery.worker.components:Pool")
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self._forwarded: set[str] = set()
+        self._tref: Any = None
+
+    def start(self, worker: Any) -> None:
+        from tasks.app import runtime_settings
+
+        settings = runtime_settings()
+        self._mailbox = StopMailbox(mailbox_dir(settings.work_dir, settings.host_id))
+        self._guard_terminate(worker)
+        self._tref = worker.timer.call_repeatedly(settings.revoke_poll_s, self._tick, (), priority=10)
+
+    def stop(self, worker: Any) -> None:
+        if self._tref is not None:
+            self._tref.cancel()
+
+    def _tick(self) -> None:
+        for request in list(worker_state.active_requests):
+            task_id = request.id
+            if task_id in self._forwarded or task_id not in worker_state.revoked:
+                continue
+            pid = request.worker_pid
+            if not pid:
+                continue
+            self._forwarded.add(task_id)
+            self._mailbox.post(task_id)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, STOP_SIGNAL)
+            logger.info("revoked task %s is running in pid %d: stop forwarded", task_id, pid)
+        active = {request.id for request in worker_state.active_requests}
+        self._forwarded &= active
+
+    @staticmethod
+    def _guard_terminate(worker: Any) -> None:
+        pool = worker.pool
+        original = pool.terminate_job
+
+        def terminate_job(pid: int, sig: Any = None) -> None:
+            original(pid, sig)
+            if sig is not None and _signum(sig) == STOP_SIGNAL:
+                # The child handles SIGUSR2 and lives on: billiard must not keep treating it
+                # as "terminated", or its next real crash would be reported as REVOKED.
+                proc = pool._pool._process_by_pid(pid)[0]
+                if proc is not None:
+                    proc._job_terminated = False
+                    proc._controlled_termination = False
+
+        pool.terminate_job = terminate_job
+
+
+def _signum(sig: Any) -> int:
+    if isinstance(sig, int):
+        return sig
+    name = str(sig).upper()
+    return int(getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+
+
+def mailbox_dir(work_dir: str, host_id: str) -> str:
+    return os.path.join(work_dir, host_id, "control")
+
+
+class SignalPipe:
+    """Child: SIGUSR2 writes a byte to a pipe; a thread turns it into ``on_signal()``."""
+
+    def __init__(self, on_signal: Callable[[], None]) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._on_signal = on_signal
+        self._thread = threading.Thread(target=self._run, name="roundhouse-signals", daemon=True)
+        self._thread.start()
+        signal.signal(STOP_SIGNAL, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._write, b"s")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                self._on_signal()
+            except Exception:
+                logger.exception("stop on signal failed")
+
+
+class StopWatcher:
+    """Child: watches ``roundhouse:control:<host>`` and calls ``on_stop(task_id)``."""
+
+    def __init__(self, redis_url: str, host_id: str, on_stop: Callable[[str], None]) -> None:
+        self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=15)
+        self._channel = control_channel(host_id)
+        self._on_stop = on_stop
+        self._thread = threading.Thread(target=self._run, name="roundhouse-stop-watch", daemon=True)
+        self._thread.start()
+
+    def requested(self, task_id: str) -> bool:
+        """Whether a stop for ``task_id`` was sent before we were listening (False if Redis is away)."""
+        try:
+            return bool(self._client.exists(stop_key(task_id)))
+        except redis.RedisError:
+            return False
+
+    def _run(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self._channel)
+                delay = 0.1
+                for message in pubsub.listen():
+                    data = message.get("data")
+                    if isinstance(data, bytes):
+                        self._on_stop(data.decode())
+            except redis.RedisError as exc:
+                logger.debug("stop watcher lost Redis (%s); reconnecting", exc)
+            except Exception:
+                logger.exception("stop watcher failed")
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)

@@ -1,0 +1,128 @@
+"""The tasks of DESIGN §3, thin: validate, hand to the child's Executor, return JSON.
+
+Idempotent under redelivery (``task_acks_late``): a task that already finished in
+this work dir returns its recorded result instead of running again, and
+``apply_delta`` whose result hash is already in place applies nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from celery import Task
+
+from executor.fileio import atomic_write_json
+from tasks.app import app, runtime
+
+
+class RoundTask(Task):
+    """Base of the tasks: JSON results, no retries of its own (the orchestrator decides)."""
+
+    typing = True
+    acks_late = True
+    reject_on_worker_lost = True
+
+
+def _memo_path(task_id: str) -> str:
+    rt = runtime()
+    directory = os.path.join(rt.executor.work_dir, "results")
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, task_id.replace("/", "_") + ".json")
+
+
+def _recall(task_id: str) -> dict[str, Any] | None:
+    try:
+        with open(_memo_path(task_id), encoding="utf-8") as file:
+            value: dict[str, Any] = json.load(file)
+            return value
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _remember(task_id: str, result: dict[str, Any]) -> dict[str, Any]:
+    atomic_write_json(_memo_path(task_id), result)
+    return result
+
+
+@app.task(name="roundhouse.load_model", bind=True, base=RoundTask)
+def load_model(
+    self: Task,
+    model_url: str,
+    dataset_shards: list[Any],
+    code: str,
+    batch_size: int = 32,
+    params: dict[str, Any] | None = None,
+    initial_shard_index: int = 0,
+    tenant: str = "default",
+) -> dict[str, Any]:
+    rt = runtime()
+    task_id = self.request.id
+    with rt.task(task_id, "load_model"):
+        if (done := _recall(task_id)) is not None and rt.executor.state.value != "idle":
+            return done
+        result = rt.executor.load(
+            model_url, dataset_shards, code, batch_size, params, initial_shard_index, tenant=tenant
+        )
+        return _remember(task_id, result.to_json())
+
+
+@app.task(name="roundhouse.run_round", bind=True, base=RoundTask)
+def run_round(
+    self: Task,
+    steps: int = 100,
+    round_num: int = 0,
+    total_rounds: int = 1,
+    mode: str = "training",
+    step_offset: int = 0,
+    delta_url: str | None = None,
+    delta_dtype: str = "float16",
+) -> dict[str, Any]:
+    from executor.session import parse_delta_dtype
+
+    rt = runtime()
+    task_id = self.request.id
+    with rt.task(task_id, "run_round", round_num) as current:
+        if (done := _recall(task_id)) is not None:
+            return done  # redelivered after it finished: the round is not run twice
+        parse_delta_dtype(delta_dtype)
+        rt.executor.run(steps, round_num, total_rounds, mode, step_offset)
+        rt.wait_round(current)
+        result = rt.executor.finish_round(delta_url=delta_url, delta_dtype=delta_dtype).to_json()
+        return _remember(task_id, result)
+
+
+@app.task(name="roundhouse.apply_delta", bind=True, base=RoundTask)
+def apply_delta(
+    self: Task,
+    model_url: str,
+    delta_url: str | None = None,
+    base_hash: str | None = None,
+    result_hash: str | None = None,
+    params: dict[str, Any] | None = None,
+    dataset_shards: list[Any] | None = None,
+) -> dict[str, Any]:
+    rt = runtime()
+    with rt.task(self.request.id, "apply_delta"):
+        outcome = rt.executor.update_model(
+            model_url,
+            params,
+            dataset_shards,
+            delta_url=delta_url,
+            base_hash=base_hash,
+            result_hash=result_hash,
+        )
+        return outcome.to_json()
+
+
+@app.task(name="roundhouse.reset", bind=True, base=RoundTask)
+def reset(self: Task, tenant: str | None = None) -> dict[str, Any]:
+    rt = runtime()
+    with rt.task(self.request.id, "reset"):
+        return {"wiped_bytes": rt.executor.reset(tenant=tenant)}
+
+
+@app.task(name="roundhouse.status", bind=True, base=RoundTask)
+def status(self: Task) -> dict[str, Any]:
+    return runtime().status()

@@ -1,0 +1,91 @@
+"""The Procfile, run for real under honcho: embedded Redis, a worker, Flower; a round through it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+from safetensors.torch import save_file
+
+from settings import Settings
+from tasks.client import RoundClient
+from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
+from tests.support.http_server import FaultServer
+from tests.support.redis_server import free_port
+from tests.support.worker import REPO
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (redis.RedisError, requests.RequestException, ValueError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(what)
+
+
+def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
+    redis_port, flower_port = free_port(), free_port()
+    broker = f"redis://127.0.0.1:{redis_port}/0"
+    venv_bin = str(Path(os.sys.executable).parent)
+    env = {
+        **os.environ,
+        "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
+        "ROUNDHOUSE_REDIS_PORT": str(redis_port),
+        "ROUNDHOUSE_REDIS_DIR": str(tmp_path / "redis"),
+        "ROUNDHOUSE_FLOWER_PORT": str(flower_port),
+        "ROUNDHOUSE_BROKER_URL": broker,
+        "ROUNDHOUSE_HOST_ID": "procfile",
+        "ROUNDHOUSE_WORK_DIR": str(tmp_path / "work"),
+        "ROUNDHOUSE_CACHE_DIR": str(tmp_path / "cache"),
+        "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "0.5",
+        "FLOWER_BASIC_AUTH": "ops:secret",
+    }
+    log = open(tmp_path / "honcho.log", "wb")  # noqa: SIM115 - closed below
+    honcho = subprocess.Popen(
+        [os.path.join(venv_bin, "honcho"), "start", "-f", str(REPO / "Procfile"), "-d", str(REPO)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    root = tmp_path / "srv"
+    root.mkdir()
+    save_file(mlp_state(), str(root / "model.safetensors"))
+    shards = make_shards(root)
+    try:
+        client = RoundClient(Settings(broker_url=broker, host_id="procfile-client"))
+        wait_for(lambda: client.heartbeat("procfile") is not None, 120, "no worker heartbeat")
+        with FaultServer(root) as server:
+            descriptors = [
+                {"url": server.url(s["name"]), "compression": "zstd", "size_bytes": s["size_bytes"]}
+                for s in shards
+            ]
+            client.load_model("procfile", server.url("model.safetensors"), descriptors, TRAIN_CODE).get(
+                timeout=60
+            )
+            result = client.run_round("procfile", steps=3).get(timeout=120)
+        assert result["status"] == "completed", result
+        api = f"http://127.0.0.1:{flower_port}/api/workers?refresh=1"
+        wait_for(
+            lambda: any(
+                n.startswith("procfile@") for n in requests.get(api, auth=("ops", "secret"), timeout=5).json()
+            ),
+            60,
+            "Flower does not list the worker",
+        )
+    finally:
+        os.killpg(honcho.pid, signal.SIGTERM)
+        try:
+            honcho.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(honcho.pid, signal.SIGKILL)
+        log.close()
