@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     heartbeat_ttl_s: float = 20.0
     revoke_poll_s: float = 0.2
     soft_time_limit_s: float | None = None
+    worker_lost_retries: int = 1
 
     # Disk
     work_dir: str = Field(default_factory=lambda: os.path.join(os.getcwd(), "var", "work"))

@@ -14,15 +14,21 @@ from typing import Any
 from celery import Task
 
 from executor.fileio import atomic_write_json
-from tasks.app import app, runtime
+from tasks.app import app, runtime, runtime_settings
 
 
 class RoundTask(Task):
-    """Base of the tasks: JSON results, no retries of its own (the orchestrator decides)."""
+    """Base of the tasks. Acknowledged when they end; a task whose child died (the kernel's
+    OOM killer, a segfault in a CUDA library) runs once more on the replacement child, then
+    fails with ``WorkerLostError`` instead of looping. No other retries: the orchestrator
+    decides what to do with a failed task."""
 
     typing = True
     acks_late = True
     reject_on_worker_lost = True
+    retry_on_worker_lost = True
+    max_retries = runtime_settings().worker_lost_retries
+    default_retry_delay = 1
 
 
 def _memo_path(task_id: str) -> str:

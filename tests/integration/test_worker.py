@@ -365,3 +365,36 @@ def test_celery_inspect_and_flower_see_the_worker(worker, redis_server) -> None:
     finally:
         flower.terminate()
         flower.wait(timeout=20)
+
+
+def test_a_real_crash_after_a_survived_terminate_is_a_failure(worker, artifacts, client) -> None:  # type: ignore[no-untyped-def]
+    # Last in this module: it replaces w1's child.
+    server, _root, descriptors = artifacts
+    code = (
+        "import os\n"
+        "if round_num == 0:\n"
+        "    emit_log('round zero started')\n"
+        "    while True:\n"
+        "        pass\n"
+        "if round_num == 9:\n"
+        "    os.kill(os.getpid(), 9)\n"
+    )
+    client.load_model("w1", server.url("model.safetensors"), descriptors, code).get(timeout=60)
+    since = client_seq(client)
+    pending = client.run_round("w1", steps=1, round_num=0)
+    wait_for_log(client, since, "round zero started")
+    client.app.control.revoke(pending.id, terminate=True, signal="SIGUSR2")
+    assert final_result(pending)["status"] == "stopped"
+    crash = client.run_round("w1", steps=1, round_num=9)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        meta = crash.backend.get_task_meta(crash.id, cache=False)
+        if meta["status"] in ("FAILURE", "REVOKED", "SUCCESS"):
+            break
+        time.sleep(0.2)
+    # Not REVOKED: the crash is a failure. The task ran once more on the replacement child
+    # (retry_on_worker_lost), which has no session yet, so it failed there with a clear error.
+    assert meta["status"] == "FAILURE", meta
+    assert type(meta["result"]).__name__ in ("WorkerLostError", "InvalidRequest"), meta
+    assert meta.get("retries") == 1, meta
+    worker.wait_ready()

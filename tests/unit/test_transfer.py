@@ -668,5 +668,6 @@ def test_changed_file_restarts_a_ranged_resume(server: FaultServer, root: Path, 
     os.utime(root / "g.bin", ns=(1, 1))  # and another ETag
     result = fetch(server.url("g.bin"), str(dest), config=_parallel_config(2), sha256=digest)
     assert result.resumed_bytes == 0
-    assert {r.range_start() for r in server.requests[1:3]} == {MIB, 3 * MIB}  # the resume attempt
+    # The resume attempt asked for the rest of both segments (in whatever order they ran).
+    assert {MIB, 3 * MIB} <= {r.range_start() for r in server.requests}
     assert _sha256(dest) == digest
