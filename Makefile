@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.roundhouse-installed
 
-.PHONY: install test lint typecheck unit demo clean
+.PHONY: install system-deps test lint typecheck unit demo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,17 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) system-deps
+
+# The sandbox's primary mechanism (DESIGN §8). Installed from Debian when missing and
+# possible (root with apt-get); without it the sandbox tests are skipped and the worker
+# refuses tenant code unless ROUNDHOUSE_SANDBOX=off.
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null; }; \
+		else echo "bubblewrap (bwrap) is missing: install it for the sandbox"; fi; }
 
 lint: install
 	$(PY) -m ruff check .

@@ -278,6 +278,8 @@ def apply_sync_delta(
         base_hasher = hashlib.sha256() if known_base_hash is None else None
         result_hasher = hashlib.sha256()
         with atomic_writer(model_path) as out:
+            # The new file takes the old one's mode (a sandboxed runner reads it as another uid).
+            os.fchmod(out.fileno(), os.fstat(base_file.fileno()).st_mode & 0o777)
             writer = StreamWriter(out, entries)
             _preallocate(out, writer.total_bytes)
             writer.write_header()

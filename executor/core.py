@@ -29,11 +29,11 @@ from executor.delta import file_state_hash
 from executor.errors import (
     CleanupFailed,
     InvalidRequest,
-    SandboxRunnerError,
 )
 from executor.fileio import atomic_write_json, tree_bytes
 from executor.guard import validate_script
 from executor.inthread import RoundOutcome, ThreadRound
+from executor.isolation import Isolation
 from executor.modelfile import ModelFiles
 from executor.namespace import RoundOutputs, RoundSpec, build_namespace, stop_checker
 from executor.preprocess import ImagePreprocessor
@@ -45,6 +45,7 @@ from executor.results import (
     RoundResult,
 )
 from executor.rounds import round_result, ship_delta
+from executor.sandbox import resolve_mode, sandbox_config
 from executor.session import (
     Session,
     check_int,
@@ -80,10 +81,6 @@ class Executor:
         session_dir: str | None = None,
         emit_state: StateCallback | None = None,
     ) -> None:
-        if sandboxed:
-            # The sandboxed runner (DESIGN §8) is its own piece of work; refuse rather than
-            # silently running tenant code in-thread.
-            raise SandboxRunnerError("sandboxed execution is not available in this build yet")
         self.settings = settings or get_settings()
         self._emit_stats = emit_stats
         self._emit_log = emit_log
@@ -123,7 +120,7 @@ class Executor:
             progress=self._progress_reporter,
         )
         self._thread: DoneThread | None = None
-        self._process: Any = None  # the sandboxed runner (executor.sandbox), when one runs
+        self._isolation = self._isolation_for(sandboxed)
         self._session: Session | None = None
         self._round = RoundSpec(100, 0, 1, 0, "training")
         self._stopped = False
@@ -132,6 +129,34 @@ class Executor:
         self.training_time: float = 0.0
         self.report: dict[str, Any] | None = None
         self.execution_error: dict[str, Any] | None = None
+
+    def _isolation_for(self, sandboxed: bool) -> Isolation | None:
+        """The sandboxed runner's manager, or None for in-thread execution (DESIGN §8).
+
+        ``sandboxed=True`` uses ``ROUNDHOUSE_SANDBOX`` (``auto`` when that says ``off``) and
+        raises ``SandboxUnavailable`` when nothing here can isolate tenant code.
+        """
+        if not sandboxed:
+            return None
+        requested = self.settings.sandbox if self.settings.sandbox != "off" else "auto"
+        config = sandbox_config(self.settings)
+        mode = resolve_mode(requested, config.uid)
+        os.chmod(self._tmpdir, 0o711)  # the sandbox uid may pass through, not list or read
+        return Isolation(
+            mode,
+            config,
+            self._tmpdir,
+            self._models.model_dir,
+            host_id=self._host_id,
+            max_script_bytes=self.settings.max_script_bytes,
+            emit_log=self._emit_log,
+            emit_stats=self._emit_stats,
+        )
+
+    @property
+    def sandbox_mode(self) -> str:
+        """``bwrap`` | ``unshare`` when tenant code runs sandboxed, ``off`` when in-thread."""
+        return self._isolation.mode if self._isolation is not None else "off"
 
     # ------------------------------------------------------------ properties
 
@@ -226,6 +251,8 @@ class Executor:
             dataset=dataset,
         )
         self._write_manifest()
+        if self._isolation is not None:
+            self._isolation.start(self._session)  # warm: torch and CUDA load now, not in round 1
         self.original_state = self.modified_state = None
         self.training_time = 0.0
         logger.info("load complete: %d keys, hash %s", artifact.keys, model_hash)
@@ -281,6 +308,14 @@ class Executor:
         self.training_time = 0.0
         self._stop_event.clear()
         session = self._require_session()
+        isolation = self._isolation
+        if isolation is not None:
+            spec = self._round
+            self._thread = DoneThread(
+                lambda: self._round_done(isolation.run_round(spec, self._stop_event)), "executor"
+            )
+            self._thread.start()
+            return
         runner = ThreadRound(
             session.compiled,
             self._namespace,
@@ -511,9 +546,9 @@ class Executor:
     def stop(self) -> None:
         """Stop the round cooperatively: signal, interrupt tenant code, end the runner, join."""
         self._stop_event.set()
-        process = self._process
-        if process is not None:
-            process.terminate(grace_s=5.0)
+        if self._isolation is not None:
+            # The runner gets the stop too; its watchdog kills the sandbox after the grace period.
+            self._isolation.request_stop()
         deadline = time.monotonic() + self.settings.stop_join_timeout_s
         thread = self._thread
         # Re-deliver periodically: tenant code may catch one StopExecution in a bare except.
@@ -549,13 +584,14 @@ class Executor:
         self.original_state = self.modified_state = None
         self.report = self.execution_error = None
         self._thread = None
-        self._process = None
         gc.collect()
         placement.empty_device_cache()
         return wiped
 
     def _close_session(self) -> None:
         session, self._session = self._session, None
+        if self._isolation is not None:
+            self._isolation.close()
         if session is not None:
             session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)
 

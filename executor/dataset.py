@@ -13,31 +13,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from executor.errors import BadArtifact, RoundhouseError, ShardIndexError, Stopped
+from executor.shardfile import load_shard_file
 from executor.shards import Pin, Progress, ShardCache, ShardDescriptor
 from executor.stopping import DoneThread
 
 logger = logging.getLogger(__name__)
-
-_ZIP_MAGIC = b"PK\x03\x04"
-
-
-def load_shard_file(path: str) -> Any:
-    """Decode one shard file: a ``torch.save`` object (weights_only, mmap when possible) or safetensors."""
-    with open(path, "rb") as file:
-        magic = file.read(8)
-    try:
-        if magic.startswith(_ZIP_MAGIC):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        if magic[:1] == b"\x80":  # the legacy (pre-zip) torch.save format cannot be mapped
-            return torch.load(path, map_location="cpu", weights_only=True)
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    except Exception as exc:
-        raise BadArtifact(f"shard is neither a weights-only torch file nor safetensors: {exc}") from None
 
 
 class ShardSession:
@@ -170,6 +151,14 @@ class ShardSession:
             logger.info("prefetch of shard %d failed: %s", index, exc)
         except Exception:
             logger.warning("prefetch of shard %d failed", index, exc_info=True)
+
+    def pinned_indexes(self) -> list[int]:
+        with self._lock:
+            return [index for index, pin in self._pins.items() if not pin.released]
+
+    def cached_path(self, index: int) -> str:
+        """Where shard ``index`` lives in the cache (whether or not it is there yet)."""
+        return self.cache.entry_path(self.tenant, self.descriptors[index])
 
     def replace_descriptors(self, descriptors: Sequence[ShardDescriptor]) -> None:
         """New presigned URLs for the same shards (they expire during long runs); pins stay

@@ -25,6 +25,7 @@ from executor.shards import Progress
 
 logger = logging.getLogger(__name__)
 
+MODEL_DIRNAME = "model"  # model.safetensors and bundle/; the sandbox sees this dir read-only
 MODEL_FILENAME = "model.safetensors"
 BUNDLE_DIRNAME = "bundle"
 
@@ -99,11 +100,18 @@ class ModelFiles:
             if os.path.exists(download):
                 os.unlink(download)
 
+    @property
+    def model_dir(self) -> str:
+        path = os.path.join(self.work_dir, MODEL_DIRNAME)
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        return path
+
     def install(self, artifact: artifacts.ModelArtifact, model_hash: str) -> InstalledModel:
-        """Move a staged model (and its bundle) into the work dir; each move is atomic."""
-        target = os.path.join(self.work_dir, MODEL_FILENAME)
+        """Move a staged model (and its bundle) into the model dir; each move is atomic."""
+        target = os.path.join(self.model_dir, MODEL_FILENAME)
+        _readable(artifact.model_path, artifact.bundle_root)
         os.replace(artifact.model_path, target)
-        bundle_root = os.path.join(self.work_dir, BUNDLE_DIRNAME)
+        bundle_root = os.path.join(self.model_dir, BUNDLE_DIRNAME)
         shutil.rmtree(bundle_root, ignore_errors=True)
         if artifact.bundle_root is not None:
             os.replace(artifact.bundle_root, bundle_root)
@@ -162,3 +170,16 @@ class ModelFiles:
             if os.path.exists(delta_path):
                 os.unlink(delta_path)
         return None
+
+
+def _readable(model_path: str, bundle_root: str | None) -> None:
+    """World-readable, nobody-writable: the sandboxed runner reads the model dir as another uid."""
+    os.chmod(model_path, 0o644)
+    if bundle_root is None:
+        return
+    os.chmod(bundle_root, 0o755)
+    for root, dirs, files in os.walk(bundle_root):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)

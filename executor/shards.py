@@ -152,6 +152,8 @@ class ShardCache:
         if max_bytes <= 0:
             raise InvalidRequest("the shard cache limit must be positive")
         os.makedirs(root, exist_ok=True)
+        # Entries of every tenant live here: no other uid (a sandbox included) may look in.
+        os.chmod(root, 0o700)
         self.root = root
         self.ledger = Ledger(root, max_bytes)
         self.transfer_config = transfer_config or transfer.TransferConfig()

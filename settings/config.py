@@ -66,6 +66,15 @@ class Settings(BaseSettings):
 
     # User code and artifacts
     sandbox: SandboxMode = "auto"
+    sandbox_uid: int = 65534
+    sandbox_gid: int = 65534
+    sandbox_max_procs: int = 4096
+    sandbox_max_open_files: int = 4096
+    sandbox_memory_mb: int | None = None
+    sandbox_tmp_mb: int = 1024
+    sandbox_disk_mb: int | None = None
+    sandbox_stop_grace_s: float = 5.0
+    sandbox_wall_time_s: float | None = None
     max_script_bytes: int = 1 * MIB
     bundle_max_bytes: int = 64 * 1024 * MIB
     bundle_max_files: int = 10_000

@@ -64,6 +64,7 @@ class ChildRuntime:
         self.executor = Executor(
             self._stats,
             self._log,
+            sandboxed=settings.sandbox != "off",
             settings=settings,
             session_dir=os.path.join(settings.work_dir, settings.host_id, "session"),
             emit_state=self._progress,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executor import Executor
-from executor.errors import SandboxRunnerError, ShardIndexError
+from executor.errors import ShardIndexError
 from executor.namespace import NAMESPACE_NAMES
 from executor.results import RoundStatus
 from tests.support.engine import TRAIN_CODE, mlp_state
@@ -105,9 +105,3 @@ def test_stage_first_shard_off_and_initial_index(env) -> None:
     with pytest.raises(ShardIndexError):
         ex.get_shard(-1)
     ex.shutdown()
-
-
-def test_sandboxed_mode_refuses_until_the_runner_exists(tmp_path: Path) -> None:
-    with pytest.raises(SandboxRunnerError) as caught:
-        Executor(lambda _s: None, lambda _l: None, sandboxed=True, work_dir=str(tmp_path))
-    assert caught.value.code == "sandbox_runner_error"

@@ -203,8 +203,8 @@ def test_events_arrive_in_order_without_gaps_and_replay(worker, artifacts, clien
     assert [e.to_json() for e in replayed] == [e.to_json() for e in live]
 
 
-def client_seq(client: RoundClient) -> int:
-    raw = client.redis.get("roundhouse:events:w1:seq")
+def client_seq(client: RoundClient, host: str = "w1") -> int:
+    raw = client.redis.get(f"roundhouse:events:{host}:seq")
     return int(raw or 0)
 
 
@@ -246,9 +246,9 @@ def test_each_stop_path_stops_a_round_and_the_child_lives_on(  # type: ignore[no
     assert count_gets(server, "model.safetensors") == model_gets, "the next round reloaded the model"
 
 
-def wait_for_log(client: RoundClient, since: int, text: str, timeout_s: float = 60) -> None:
+def wait_for_log(client: RoundClient, since: int, text: str, timeout_s: float = 60, host: str = "w1") -> None:
     deadline = time.monotonic() + timeout_s
-    for event in client.events("w1", since=since, idle_timeout_s=timeout_s):
+    for event in client.events(host, since=since, idle_timeout_s=timeout_s):
         if event.type == "log" and text in event.data.get("text", ""):
             return
         if time.monotonic() > deadline:
@@ -367,9 +367,14 @@ def test_celery_inspect_and_flower_see_the_worker(worker, redis_server) -> None:
         flower.wait(timeout=20)
 
 
-def test_a_real_crash_after_a_survived_terminate_is_a_failure(worker, artifacts, client) -> None:  # type: ignore[no-untyped-def]
-    # Last in this module: it replaces w1's child.
+def test_a_real_crash_after_a_survived_terminate_is_a_failure(  # type: ignore[no-untyped-def]
+    artifacts, client, redis_server, tmp_path_factory
+) -> None:
+    # Tenant code can crash the Celery child only without the sandbox: a worker of its own.
     server, _root, descriptors = artifacts
+    worker = WorkerProcess(
+        "w3", redis_server.url, tmp_path_factory.mktemp("w3"), env={"ROUNDHOUSE_SANDBOX": "off"}
+    ).start()
     code = (
         "import os\n"
         "if round_num == 0:\n"
@@ -379,13 +384,13 @@ def test_a_real_crash_after_a_survived_terminate_is_a_failure(worker, artifacts,
         "if round_num == 9:\n"
         "    os.kill(os.getpid(), 9)\n"
     )
-    client.load_model("w1", server.url("model.safetensors"), descriptors, code).get(timeout=60)
-    since = client_seq(client)
-    pending = client.run_round("w1", steps=1, round_num=0)
-    wait_for_log(client, since, "round zero started")
+    client.load_model("w3", server.url("model.safetensors"), descriptors, code).get(timeout=60)
+    since = client_seq(client, "w3")
+    pending = client.run_round("w3", steps=1, round_num=0)
+    wait_for_log(client, since, "round zero started", host="w3")
     client.app.control.revoke(pending.id, terminate=True, signal="SIGUSR2")
     assert final_result(pending)["status"] == "stopped"
-    crash = client.run_round("w1", steps=1, round_num=9)
+    crash = client.run_round("w3", steps=1, round_num=9)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         meta = crash.backend.get_task_meta(crash.id, cache=False)
@@ -397,4 +402,4 @@ def test_a_real_crash_after_a_survived_terminate_is_a_failure(worker, artifacts,
     assert meta["status"] == "FAILURE", meta
     assert type(meta["result"]).__name__ in ("WorkerLostError", "InvalidRequest"), meta
     assert meta.get("retries") == 1, meta
-    worker.wait_ready()
+    worker.stop()

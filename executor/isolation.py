@@ -1,0 +1,163 @@
+"""The Executor's sandboxed runner for the loaded session.
+
+Owns the session's sandbox directories (``<work>/sandbox/task``, writable by the
+sandbox uid; ``<work>/sandbox/ro``, the worker's) and the warm :class:`Runner`: started at
+``load_model``, reused by every round, torn down at the next load, a reset, a crash, or a
+stop that needed a kill (the next round then starts a fresh one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from executor.errors import InvalidRequest
+from executor.fileio import temp_path_for
+from executor.inthread import RoundOutcome
+from executor.namespace import RoundSpec
+from executor.sandbox import Paths, SandboxConfig
+from executor.session import Session
+from executor.supervisor import Runner, result_limit
+
+logger = logging.getLogger(__name__)
+
+
+class Isolation:
+    def __init__(
+        self,
+        mode: str,
+        config: SandboxConfig,
+        work_dir: str,
+        model_dir: str,
+        *,
+        host_id: str,
+        max_script_bytes: int,
+        emit_log: Callable[[str], None],
+        emit_stats: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.mode = mode
+        self.config = config
+        root = os.path.join(work_dir, "sandbox")
+        self.paths = Paths(
+            task=os.path.join(root, "task"),
+            ro=os.path.join(root, "ro"),
+            model=model_dir,
+            bwrap=mode == "bwrap",
+        )
+        self._host_id = host_id
+        self._max_script_bytes = max_script_bytes
+        self._emit_log = emit_log
+        self._emit_stats = emit_stats
+        self._session: Session | None = None
+        self._runner: Runner | None = None
+        self._lock = threading.Lock()
+
+    def start(self, session: Session) -> None:
+        """A fresh runner for ``session`` (the previous one, if any, is ended first)."""
+        self.close()
+        self._session = session
+        self._ensure()
+
+    def _ensure(self) -> Runner:
+        session = self._session
+        if session is None:
+            raise InvalidRequest("no model is loaded: send load_model first")
+        with self._lock:
+            if self._runner is not None and self._runner.alive:
+                return self._runner
+            if self._runner is not None:
+                self._runner.close()
+            shutil.rmtree(self.paths.task, ignore_errors=True)
+            runner = Runner(
+                self.mode,
+                self.config,
+                self.paths,
+                host_id=self._host_id,
+                cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                emit_log=self._emit_log,
+                emit_stats=self._emit_stats,
+                serve_shard=self._serve_shard,
+            )
+            limit = result_limit(os.path.getsize(session.model_path))
+            if self.config.disk_bytes:
+                limit = min(limit, self.config.disk_bytes)  # no single file beyond the dir's quota
+            runner.start(session.model_path, session.bundle_root, session.code, limit)
+            self._runner = runner
+            return runner
+
+    def run_round(self, spec: RoundSpec, stop: threading.Event) -> RoundOutcome:
+        session = self._session
+        if session is None:
+            raise InvalidRequest("no model is loaded: send load_model first")
+        runner = self._ensure()
+        round_spec = {
+            "steps": spec.steps,
+            "round_num": spec.round_num,
+            "total_rounds": spec.total_rounds,
+            "step_offset": spec.step_offset,
+            "mode": spec.mode,
+            "params": session.params,
+            "batch_size": session.batch_size,
+            "num_shards": session.dataset.num_shards,
+            "preprocessor_config": session.preprocessor_config,
+            "max_script_bytes": self._max_script_bytes,
+        }
+        return runner.run_round(round_spec, stop, result_limit(os.path.getsize(session.model_path)))
+
+    def _serve_shard(self, index: int) -> str:
+        """Pin the shard in the cache and make it readable at ``/ro/shards`` (never writable)."""
+        session = self._session
+        if session is None:
+            raise InvalidRequest("no model is loaded")
+        source = session.dataset.path(index)
+        shards = os.path.join(self.paths.ro, "shards")
+        target = os.path.join(shards, os.path.basename(source))
+        if not _same_file(source, target):
+            tmp = temp_path_for(target)
+            os.unlink(tmp)
+            try:
+                os.link(source, tmp)
+            except OSError:  # another filesystem: a copy instead of a link
+                shutil.copyfile(source, tmp)
+            # Readable by the sandbox uid, writable by nobody (a link shares the cache entry's
+            # inode; the cache itself only reads and unlinks its entries).
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, target)
+        keep = {os.path.basename(target)} | {
+            os.path.basename(session.dataset.cached_path(i)) for i in session.dataset.pinned_indexes()
+        }
+        for name in os.listdir(shards):
+            if name not in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shards, name))
+        return self.paths.inside(target)
+
+    def request_stop(self) -> None:
+        runner = self._runner
+        if runner is not None:
+            runner.request_stop()
+
+    def kill(self, reason: str) -> None:
+        runner = self._runner
+        if runner is not None:
+            runner.kill(reason)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._runner is not None:
+                self._runner.close()
+                self._runner = None
+        self._session = None
+        shutil.rmtree(os.path.dirname(self.paths.task), ignore_errors=True)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -1,0 +1,372 @@
+"""How the sandboxed runner is launched (DESIGN §8).
+
+``bwrap`` (the primary mechanism), as root: new network (loopback only), pid, ipc, uts and
+cgroup namespaces; a root of its own with only what the runner needs, read-only — the
+Python installation at ``/opt/python``, its packages at ``/opt/site-packages``, the
+runner's code at ``/opt/roundhouse``, the model at ``/model``, the worker's files for the
+round at ``/ro`` — and one writable directory, ``/task``; a bounded tmpfs ``/tmp`` and
+``/dev/shm``; the GPU device nodes; a new session; all capabilities dropped but the two
+``setpriv`` needs to become the sandbox uid; a seccomp filter (:mod:`executor.seccomp`).
+bwrap itself starts with an empty environment (a variable in bwrap's own environment
+would be readable at ``/proc/1/environ``); the runner's is set with ``--setenv``.
+
+``unshare`` (the fallback): new network, pid, ipc and uts namespaces, ``setpriv`` to the
+sandbox uid, no filesystem isolation beyond permissions. Usable only where the sandbox
+uid can read the Python installation.
+
+Both run under ``prlimit`` (processes, data size, file size, open files). ``auto`` picks
+bwrap, else unshare, and refuses to run tenant code when neither can isolate the network.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from executor.errors import SandboxRunnerError
+
+if TYPE_CHECKING:
+    from settings import Settings
+
+logger = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+CODE_ROOT = Path(__file__).resolve().parents[1]  # the directory holding the executor package
+INSIDE_PYTHON = "/opt/python"
+INSIDE_SITE = "/opt/site-packages"
+INSIDE_CODE = "/opt/roundhouse"
+INSIDE_TASK = "/task"
+INSIDE_RO = "/ro"
+INSIDE_MODEL = "/model"
+GPU_DEVICES = ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidia4", "nvidia5", "nvidia6", "nvidia7")
+GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "nvidia-caps")
+ETC_FILES = (
+    "passwd",
+    "group",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "nsswitch.conf",
+    "os-release",
+)
+
+
+class SandboxUnavailable(SandboxRunnerError):
+    """No mechanism can isolate tenant code here, and the operator did not choose ``off``."""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    mode: str = "auto"  # auto | bwrap | unshare
+    uid: int = 65534
+    gid: int = 65534
+    max_procs: int = 4096
+    max_open_files: int = 4096
+    memory_bytes: int | None = None  # RLIMIT_DATA; None: three quarters of the host's RAM
+    tmp_bytes: int = 1024 * MIB
+    stop_grace_s: float = 5.0
+    wall_time_s: float | None = None
+    disk_bytes: int | None = None  # the task dir's quota; None: derived from the model
+    start_timeout_s: float = 180.0
+
+    @property
+    def data_limit(self) -> int:
+        if self.memory_bytes:
+            return self.memory_bytes
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(pages * 3 // 4)
+
+
+def sandbox_config(settings: Settings) -> SandboxConfig:
+    return SandboxConfig(
+        mode=settings.sandbox,
+        uid=settings.sandbox_uid,
+        gid=settings.sandbox_gid,
+        max_procs=settings.sandbox_max_procs,
+        max_open_files=settings.sandbox_max_open_files,
+        memory_bytes=settings.sandbox_memory_mb * MIB if settings.sandbox_memory_mb else None,
+        tmp_bytes=settings.sandbox_tmp_mb * MIB,
+        stop_grace_s=settings.sandbox_stop_grace_s,
+        wall_time_s=settings.sandbox_wall_time_s,
+        disk_bytes=settings.sandbox_disk_mb * MIB if settings.sandbox_disk_mb else None,
+    )
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Host paths of one session's sandbox, and what the runner sees for each."""
+
+    task: str  # writable, owned by the sandbox uid
+    ro: str  # the worker's files for the runner: code, round specs, shards
+    model: str  # the model dir (model.safetensors, bundle/), read-only
+    bwrap: bool
+
+    @property
+    def inside_task(self) -> str:
+        return INSIDE_TASK if self.bwrap else self.task
+
+    @property
+    def inside_ro(self) -> str:
+        return INSIDE_RO if self.bwrap else self.ro
+
+    @property
+    def inside_model(self) -> str:
+        return INSIDE_MODEL if self.bwrap else self.model
+
+    def inside(self, host_path: str) -> str:
+        """Where a file under ``ro``/``task``/``model`` appears to the runner."""
+        for host, inner in (
+            (self.ro, self.inside_ro),
+            (self.task, self.inside_task),
+            (self.model, self.inside_model),
+        ):
+            if host_path == host or host_path.startswith(host + os.sep):
+                return inner + host_path[len(host) :]
+        raise ValueError(f"{host_path} is not shared with the sandbox")
+
+
+def _quiet(argv: list[str]) -> bool:
+    try:
+        return subprocess.run(argv, env={}, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@functools.cache
+def bwrap_works() -> bool:
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return False
+    probe = [
+        "--unshare-net",
+        "--unshare-pid",
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "true",
+    ]
+    return _quiet([exe, *probe])
+
+
+@functools.cache
+def unshare_works(uid: int) -> bool:
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    if not (unshare and setpriv and _quiet([unshare, "--net", "--pid", "--fork", "true"])):
+        return False
+    # Without a mount namespace the sandbox uid must be able to read Python and the packages.
+    probe = [
+        setpriv,
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        sys.executable,
+        "-c",
+        "import torch",
+    ]
+    return os.geteuid() == 0 and _quiet(probe)
+
+
+def resolve_mode(requested: str, uid: int) -> str:
+    """``bwrap`` or ``unshare``; ``SandboxUnavailable`` when the request cannot be met."""
+    if requested in ("auto", "bwrap") and bwrap_works():
+        return "bwrap"
+    if requested in ("auto", "unshare") and unshare_works(uid):
+        return "unshare"
+    raise SandboxUnavailable(
+        f"sandbox {requested!r} is not available here: no mechanism can isolate tenant code from the "
+        "network. Install bubblewrap (apt-get install bubblewrap), or set ROUNDHOUSE_SANDBOX=off to "
+        "run tenant code inside the worker (trusted code only).",
+        {"requested": requested},
+    )
+
+
+def _prlimit(config: SandboxConfig, file_bytes: int) -> list[str]:
+    prlimit = shutil.which("prlimit") or "prlimit"
+    return [
+        prlimit,
+        f"--nproc={config.max_procs}",
+        f"--nofile={config.max_open_files}",
+        f"--data={config.data_limit}",
+        f"--fsize={file_bytes}",
+        "--core=0",
+        "--",
+    ]
+
+
+def _setpriv(config: SandboxConfig) -> list[str]:
+    setpriv = shutil.which("setpriv") or "setpriv"
+    return [
+        setpriv,
+        f"--reuid={config.uid}",
+        f"--regid={config.gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+    ]
+
+
+def runner_environment(paths: Paths, cuda_visible: str | None) -> dict[str, str]:
+    """The runner's whole environment: nothing of the worker's but the GPU selection."""
+    home = f"{paths.inside_task}/home"
+    cache = f"{paths.inside_task}/cache"
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "USER": "sandbox",
+        "LANG": "C.UTF-8",
+        "TMPDIR": "/tmp" if paths.bwrap else f"{paths.inside_task}/tmp",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "XDG_CACHE_HOME": cache,
+        "XDG_CONFIG_HOME": f"{home}/.config",
+        "XDG_DATA_HOME": f"{home}/.local/share",
+        "TRITON_CACHE_DIR": f"{cache}/triton",
+        "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor",
+        "TORCH_HOME": f"{cache}/torch",
+        "CUDA_CACHE_PATH": f"{cache}/cuda",
+        "HF_HOME": f"{cache}/hf",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "MPLCONFIGDIR": f"{cache}/matplotlib",
+    }
+    if paths.bwrap:
+        env["PYTHONPATH"] = f"{INSIDE_CODE}:{INSIDE_SITE}"
+        # The interpreter moved to /opt/python; its RUNPATH still names the host path.
+        env["LD_LIBRARY_PATH"] = f"{INSIDE_PYTHON}/lib"
+    else:
+        env["PYTHONPATH"] = f"{CODE_ROOT}:{site_packages()}"
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    return env
+
+
+def site_packages() -> str:
+    return sysconfig.get_paths()["purelib"]
+
+
+def python_inside() -> str:
+    """The interpreter as the runner sees it under bwrap (the installation is moved to /opt/python)."""
+    relative = Path(sys.executable).resolve().relative_to(Path(sys.base_prefix).resolve())
+    return f"{INSIDE_PYTHON}/{relative}"
+
+
+def _system_binds() -> list[str]:
+    # Directories bwrap creates on the way to a mount point are 0700 otherwise: unreadable
+    # for the sandbox uid.
+    args = ["--ro-bind", "/usr", "/usr"]
+    for directory in ("/etc", "/opt", INSIDE_CODE):
+        args += ["--perms", "0755", "--dir", directory]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/") / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    for name in ETC_FILES:
+        if (Path("/etc") / name).exists():
+            args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+    return args
+
+
+def _gpu_binds() -> list[str]:
+    args: list[str] = []
+    for name in (*GPU_DEVICES, *GPU_CONTROL_DEVICES):
+        path = Path("/dev") / name
+        if path.exists():
+            args += ["--dev-bind", str(path), str(path)]
+    return args
+
+
+def bwrap_args(config: SandboxConfig, paths: Paths, env: dict[str, str], seccomp_fd: int | None) -> list[str]:
+    """bwrap's options, handed over through ``--args FD``: as argv they would be readable
+    by the sandbox at ``/proc/1/cmdline`` (bwrap is pid 1 there), host paths and all.
+    (The command itself must stay on the command line; it names only sandbox paths.)"""
+    base = Path(sys.base_prefix).resolve()
+    args = [
+        "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--die-with-parent", "--new-session", "--hostname", "sandbox",
+        "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+        "--clearenv",
+        *_system_binds(),
+        "--ro-bind", str(base), INSIDE_PYTHON,
+        "--ro-bind", site_packages(), INSIDE_SITE,
+        "--ro-bind", str(CODE_ROOT / "executor"), f"{INSIDE_CODE}/executor",
+        "--ro-bind", paths.model, INSIDE_MODEL,
+        "--ro-bind", paths.ro, INSIDE_RO,
+        "--bind", paths.task, INSIDE_TASK,
+        "--dev", "/dev", *_gpu_binds(),
+        "--proc", "/proc",
+        "--perms", "1777", "--size", str(config.tmp_bytes), "--tmpfs", "/tmp",
+        "--perms", "1777", "--size", str(config.tmp_bytes), "--tmpfs", "/dev/shm",
+        "--chdir", "/",  # the runner enters /task itself: bwrap has no DAC override to do it
+    ]  # fmt: skip
+    for key, value in sorted(env.items()):
+        args += ["--setenv", key, value]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    return args
+
+
+def unshare_argv(config: SandboxConfig, env: dict[str, str]) -> list[str]:
+    unshare = shutil.which("unshare") or "unshare"
+    env_args = [f"{key}={value}" for key, value in sorted(env.items())]
+    return [
+        unshare, "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+        *_setpriv(config),
+        "/usr/bin/env", "-i", *env_args,
+        sys.executable, "-m", "executor.runner",
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Launch:
+    argv: list[str]
+    args_blob: bytes | None  # what bwrap reads from its --args fd (NUL-separated)
+
+
+def command(
+    mode: str,
+    config: SandboxConfig,
+    paths: Paths,
+    cuda_visible: str | None,
+    *,
+    seccomp_fd: int | None,
+    args_fd: int | None,
+    file_bytes: int,
+) -> Launch:
+    env = runner_environment(paths, cuda_visible)
+    if mode != "bwrap":
+        return Launch([*_prlimit(config, file_bytes), *unshare_argv(config, env)], None)
+    blob = b"".join(arg.encode() + b"\0" for arg in bwrap_args(config, paths, env, seccomp_fd))
+    bwrap = shutil.which("bwrap") or "bwrap"
+    inner = [*_setpriv(config), python_inside(), "-m", "executor.runner"]
+    return Launch([*_prlimit(config, file_bytes), bwrap, "--args", str(args_fd), "--", *inner], blob)
+
+
+def prepare_dirs(paths: Paths, config: SandboxConfig) -> None:
+    """The task dir belongs to the sandbox uid; ro and model are the worker's, readable only."""
+    for directory in (paths.ro, os.path.join(paths.ro, "shards"), os.path.join(paths.ro, "rounds")):
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        os.chmod(directory, 0o755)
+    os.makedirs(paths.task, mode=0o700, exist_ok=True)
+    for sub in ("home", "cache", "out", "tmp", "offload"):
+        os.makedirs(os.path.join(paths.task, sub), mode=0o700, exist_ok=True)
+    if os.geteuid() == 0:
+        for root, dirs, files in os.walk(paths.task):
+            for name in (*dirs, *files):
+                os.lchown(os.path.join(root, name), config.uid, config.gid)
+        os.chown(paths.task, config.uid, config.gid)

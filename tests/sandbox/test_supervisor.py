@@ -1,0 +1,106 @@
+"""The worker's checks on what the runner hands back, and how the sandbox is chosen."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.errors import SandboxProtocolError
+from executor.protocol import MAX_FRAME_BYTES, checked_error, read_frame
+from executor.seccomp import AARCH64, X86_64, build_filter
+from executor.supervisor import read_result
+from executor.tensorfile import write_state
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    (tmp_path / "out").mkdir()
+    return tmp_path
+
+
+def good(task: Path, name: str = "result-1.safetensors") -> Path:
+    path = task / "out" / name
+    with open(path, "wb") as file:
+        write_state(file, {"w": torch.ones(3)})
+    return path
+
+
+def test_a_regular_result_is_read_and_removed(task: Path) -> None:
+    path = good(task)
+    state = read_result(str(task), path.name, 1 << 20)
+    assert torch.equal(state["w"], torch.ones(3)) and not path.exists()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t, p: os.symlink("/etc/passwd", p),
+        lambda t, p: os.symlink("../../etc/passwd", p),
+        lambda t, p: os.link(good(t, "result-x.safetensors"), p),
+        lambda t, p: os.mkfifo(p),
+        lambda t, p: os.mkdir(p),
+        lambda t, p: os.truncate(os.open(p, os.O_CREAT | os.O_WRONLY), 10 << 20),  # sparse, too large
+        lambda t, p: Path(p).write_bytes(b"\0" * 64),  # not a state
+    ],
+    ids=["symlink", "relative-symlink", "hardlink", "fifo", "directory", "too-large", "garbage"],
+)
+def test_tricks_are_refused(task: Path, make) -> None:  # type: ignore[no-untyped-def]
+    path = task / "out" / "result-1.safetensors"
+    make(task, path)
+    with pytest.raises(SandboxProtocolError):
+        read_result(str(task), path.name, 1 << 20)
+
+
+def test_a_symlinked_out_dir_and_bad_names_are_refused(
+    task: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "out").mkdir()
+    good(elsewhere)
+    (task / "out").rmdir()
+    os.symlink(elsewhere / "out", task / "out")
+    with pytest.raises(SandboxProtocolError):
+        read_result(str(task), "result-1.safetensors", 1 << 20)
+    for name in ("../out/result-1.safetensors", "/etc/passwd", "result-1.pt"):
+        with pytest.raises(SandboxProtocolError):
+            read_result(str(task), name, 1 << 20)
+
+
+def test_frames_are_bounded_and_checked(tmp_path: Path) -> None:
+    import io
+
+    assert read_frame(io.BytesIO(b'{"type": "log"}\n')) == {"type": "log"}
+    assert read_frame(io.BytesIO(b"")) is None
+    for raw in (b"x" * (MAX_FRAME_BYTES + 10), b"not json\n", b"[1]\n", b'{"type": "log"}'):
+        with pytest.raises(SandboxProtocolError):
+            read_frame(io.BytesIO(raw))
+    assert checked_error({"code": "user_code_error", "message": "m" * 10_000})["message"] == "m" * 4096
+    with pytest.raises(SandboxProtocolError):
+        checked_error({"code": "made_up", "message": "x"})
+
+
+def test_seccomp_programs_are_well_formed() -> None:
+    for arch in (X86_64, AARCH64):
+        program = build_filter(arch)
+        assert len(program) % 8 == 0 and len(program) // 8 < 4096
+
+
+def test_auto_refuses_clearly_when_nothing_can_isolate() -> None:
+    code = (
+        "from executor.sandbox import resolve_mode\n"
+        "try:\n"
+        "    resolve_mode('auto', 65534)\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc.code, exc)\n"
+    )
+    env = {"PATH": "/nonexistent", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.startswith("SandboxUnavailable sandbox_runner_error"), out.stdout + out.stderr
+    assert "bubblewrap" in out.stdout and "ROUNDHOUSE_SANDBOX=off" in out.stdout
