@@ -27,6 +27,7 @@ from executor.sandbox import bwrap_works
 from settings import Settings
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
 from tests.support.http_server import FaultServer
+from tests.support.redis_server import RedisServer
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to a dedicated uid: run as root"),
@@ -140,7 +141,8 @@ def test_no_inherited_descriptor_reaches_the_worker(world) -> None:  # type: ign
     healthy(world)
 
 
-def test_network_is_loopback_only(world) -> None:  # type: ignore[no-untyped-def]
+def test_network_is_loopback_only(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    redis_server = RedisServer(tmp_path / "redis").start()  # the worker's own kind of neighbour
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -164,6 +166,7 @@ def test_network_is_loopback_only(world) -> None:  # type: ignore[no-untyped-def
             except OSError as exc:
                 return type(exc).__name__
         out['host_tcp'] = tcp('127.0.0.1', {tcp_port})
+        out['redis'] = tcp('127.0.0.1', {redis_server.port})
         out['outside_tcp'] = tcp('1.1.1.1', 80)
         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         u.sendto(b'escape', ('127.0.0.1', {udp_port}))
@@ -180,7 +183,9 @@ def test_network_is_loopback_only(world) -> None:  # type: ignore[no-untyped-def
         """,
     )
     report = result.report
-    assert report["host_tcp"] == "ConnectionRefusedError", report
+    assert report["host_tcp"] == report["redis"] == "ConnectionRefusedError", report
+    assert redis_server.client().ping()  # it was there all along
+    redis_server.stop()
     assert report["outside_tcp"] != "CONNECTED" and report["outside_udp"] != "SENT", report
     assert report["abstract"] == "ConnectionRefusedError", report
     with pytest.raises(TimeoutError):
@@ -201,7 +206,7 @@ def test_writes_outside_the_task_dir_fail(world) -> None:  # type: ignore[no-unt
         import os
         out = {{}}
         for path in ['/{marker}', '/opt/site-packages/{marker}.py', '/opt/roundhouse/executor/{marker}.py',
-                     '/model/{marker}', '/ro/{marker}', '/usr/{marker}', '/etc/{marker}']:
+                     '/model/{marker}', '/ro/{marker}', '/usr/{marker}', '/etc/{marker}', '/root/{marker}']:
             try:
                 open(path, 'w').write('x'); out[path] = 'WRITTEN'
             except OSError as exc:
@@ -326,6 +331,33 @@ def test_memory_bomb_is_contained(world) -> None:  # type: ignore[no-untyped-def
     assert result.error.code in ("user_code_error", "gpu_oom"), result
     assert "MemoryError" in result.error.message or result.error.code == "gpu_oom"
     healthy(world)
+
+
+def test_open_files_are_bounded(world) -> None:  # type: ignore[no-untyped-def]
+    result = attack(
+        world,
+        """
+        files = []
+        try:
+            while True:
+                files.append(open('/dev/null'))
+        except OSError as exc:
+            save_report({'opened': len(files), 'error': type(exc).__name__})
+        """,
+    )
+    assert result.report["error"] == "OSError" and result.report["opened"] < 4096, result.report
+    healthy(world)
+
+
+def test_wall_time_ends_a_round(world, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    settings = world.executor.settings.model_copy(
+        update={"work_dir": str(tmp_path / "w"), "sandbox_wall_time_s": 2.0}
+    )
+    timed = Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=True)
+    timed.load(world.server.url("model.safetensors"), world.descriptors, "import time\ntime.sleep(600)")
+    result = timed.run_round(steps=1)
+    timed.shutdown()
+    assert result.status is RoundStatus.FAILED and "wall time" in result.error.message, result
 
 
 def test_disk_fill_is_stopped(world) -> None:  # type: ignore[no-untyped-def]
