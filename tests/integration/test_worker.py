@@ -111,6 +111,16 @@ def test_main_process_never_touches_cuda_or_torch(worker: WorkerProcess) -> None
     assert "libtorch" in child_maps  # the child is where the engine (and CUDA) lives
 
 
+def test_tenant_code_runs_sandboxed_without_the_workers_environment(worker, artifacts, client) -> None:  # type: ignore[no-untyped-def]
+    server, _root, descriptors = artifacts
+    code = "import os\nsave_report({'env': sorted(os.environ), 'uid': os.getuid(), 'pid': os.getpid()})"
+    client.load_model("w1", server.url("model.safetensors"), descriptors, code).get(timeout=60)
+    report = client.run_round("w1", steps=1, mode="inference").get(timeout=60)["report"]
+    assert not [key for key in report["env"] if key.startswith("ROUNDHOUSE_")], report
+    assert report["uid"] == 65534 and report["pid"] != worker.child_pid()
+    assert client.status("w1").get(timeout=30)["state"] == "loaded"
+
+
 def test_tasks_by_name_reuse_the_loaded_model(worker, artifacts, plain_celery) -> None:  # type: ignore[no-untyped-def]
     server, root, descriptors = artifacts
     model_gets = count_gets(server, "model.safetensors")
