@@ -142,6 +142,16 @@ class StopExecution(BaseException):
     """
 
 
+def stable_codes() -> frozenset[str]:
+    """Every code of the tree (DESIGN §3), found by walking it."""
+    codes, todo = set(), [RoundhouseError]
+    while todo:
+        cls = todo.pop()
+        codes.add(cls.code)
+        todo.extend(cls.__subclasses__())
+    return frozenset(codes)
+
+
 def error_info(exc: BaseException) -> ErrorInfo:
     """Map any exception to the error shape of a task result."""
     if isinstance(exc, RoundhouseError):

@@ -25,22 +25,11 @@ from __future__ import annotations
 import json
 from typing import IO, Any
 
-from executor.errors import SandboxProtocolError
+from executor.errors import SandboxProtocolError, stable_codes
 
 MAX_FRAME_BYTES = 1024 * 1024
-ERROR_CODES = frozenset(
-    {
-        "user_code_error",
-        "gpu_oom",
-        "sandbox_runner_error",
-        "sandbox_protocol_error",
-        "download_failed",
-        "bad_artifact",
-        "hash_mismatch",
-        "invalid_request",
-        "stopped",
-    }
-)
+# What a runner may report: the contract's codes (internal_error is the worker's own).
+ERROR_CODES = stable_codes() - {"internal_error"}
 
 
 def encode(message: dict[str, Any]) -> bytes:

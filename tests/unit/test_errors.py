@@ -41,6 +41,10 @@ def test_every_error_pickles_and_has_a_stable_code(cls: type[errors.RoundhouseEr
     assert again.to_json() == {"code": again.code, "message": "something broke", "details": exc.details}
 
 
+def test_the_tree_has_exactly_the_contracts_codes() -> None:
+    assert errors.stable_codes() == STABLE
+
+
 def test_error_info_maps_foreign_exceptions() -> None:
     assert errors.error_info(errors.StopExecution()).code == "stopped"
     assert errors.error_info(ValueError("x")).code == "internal_error"
