@@ -406,7 +406,7 @@ class Executor:
             transfer_config=self._transfer,
             abort=self._stop_event,
         )
-        return round_result(
+        result = round_result(
             stopped=self._stopped,
             error=self.execution_error,
             training_time=self.training_time,
@@ -414,6 +414,9 @@ class Executor:
             round_num=self._round.round_num,
             ship=ship if self._round.mode == "training" else None,
         )
+        # The stop was aimed at the round that just ended; the next sync must not inherit it.
+        self._stop_event.clear()
+        return result
 
     # ------------------------------------------------------------ sync phase
 

@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     heartbeat_ttl_s: float = 20.0
     revoke_poll_s: float = 0.2
     soft_time_limit_s: float | None = None
+    metrics_port: int = 9808  # 0: no metrics endpoint
+    metrics_address: str = "0.0.0.0"
     worker_lost_retries: int = 1
 
     # Disk

@@ -26,6 +26,7 @@ from executor.errors import Stopped
 from settings import Settings
 from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
+from tasks.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ChildRuntime:
         self._redis = redis.Redis.from_url(
             settings.redis_events_url, socket_timeout=2, socket_connect_timeout=2
         )
+        self.metrics = WorkerMetrics(settings.host_id, self.status)
+        self.metrics.serve(settings.metrics_port, settings.metrics_address)
         self._heartbeat = threading.Thread(target=self._beat, name="roundhouse-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -108,6 +111,8 @@ class ChildRuntime:
         with self._lock:
             self.current = current
         started = time.monotonic()
+        # A stop belongs to the task it was aimed at: the previous task's must not abort this one.
+        self.executor.abort_event.clear()
         self.emit("state", {"event": "task-started"})
         if self.watcher.requested(task_id) or self.mailbox.holds(task_id):
             self.request_stop("requested before start")
@@ -129,6 +134,7 @@ class ChildRuntime:
                 },
             )
             self.mailbox.clear(task_id)
+            self.metrics.task_done(name, outcome)
             with self._lock:
                 self.current = None
 
@@ -140,6 +146,7 @@ class ChildRuntime:
             return
         current.reason = reason
         current.stop.set()
+        self.metrics.stopped(reason)
         self.emit("state", {"event": "stop-requested", "reason": reason})
         # Downloads on the task's thread abort at once; a running round is stopped by
         # wait_round, on the task's own thread.

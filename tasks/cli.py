@@ -7,7 +7,7 @@
   server binary) for the Procfile and the demo.
 - ``roundhouse watch <host_id> [--since SEQ]``: a worker's events, replayed then live.
 - ``roundhouse status [host_id]``: live workers from their heartbeats.
-- ``roundhouse demo``: the engine demo; ``roundhouse settings``: the effective settings.
+- ``roundhouse demo``: the reference orchestrator's demo; ``roundhouse settings``: the settings.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def worker_command(
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         env["ROUNDHOUSE_GPU"] = str(gpu)
+        # One metrics port per GPU worker on a machine, unless the operator chose one.
+        env.setdefault("ROUNDHOUSE_METRICS_PORT", str(9808 + gpu))
     chosen = host_id or env.get("ROUNDHOUSE_HOST_ID")
     if not chosen:
         # One worker per GPU: several on one machine need distinct ids, hence the suffix.
@@ -125,10 +127,10 @@ def _settings(_: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(_: argparse.Namespace) -> int:
-    from executor.demo import main as demo_main
+def _demo(args: argparse.Namespace) -> int:
+    from orchestrator.demo import main as demo_main
 
-    return demo_main()
+    return demo_main(args.demo_args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,13 +152,21 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--idle-timeout", type=float, default=None, help="stop after this long without events")
     status = commands.add_parser("status", help="live workers, from their heartbeats")
     status.add_argument("host_id", nargs="?", default=None)
-    commands.add_parser("demo", help="train a tiny model through the engine, end to end")
+    commands.add_parser(
+        "demo", help="DiLoCo training of a tiny model over real workers (options: see roundhouse demo -h)",
+        add_help=False,
+    )  # fmt: skip
     commands.add_parser("settings", help="print the effective settings (secrets masked)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "demo":
+        args.demo_args = extra  # the demo parses its own options
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "celery_args", None) and args.celery_args[0] == "--":
         args.celery_args = args.celery_args[1:]
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {

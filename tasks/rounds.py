@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from celery import Task
@@ -93,9 +94,11 @@ def run_round(
         if (done := _recall(task_id)) is not None:
             return done  # redelivered after it finished: the round is not run twice
         parse_delta_dtype(delta_dtype)
+        started = time.monotonic()
         rt.executor.run(steps, round_num, total_rounds, mode, step_offset)
         rt.wait_round(current)
         result = rt.executor.finish_round(delta_url=delta_url, delta_dtype=delta_dtype).to_json()
+        rt.metrics.round_done(result["status"], time.monotonic() - started)
         return _remember(task_id, result)
 
 

@@ -74,6 +74,14 @@ def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
             )
             result = client.run_round("procfile", steps=3).get(timeout=120)
         assert result["status"] == "completed", result
+        # The demo against the Procfile's stack (its broker, its running worker).
+        demo = subprocess.run(
+            [os.path.join(venv_bin, "roundhouse"), "demo", "--workers", "1", "--rounds", "2", "--steps", "10",
+             "--out", str(tmp_path / "demo")],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=200,
+        )  # fmt: skip
+        assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+        assert "using the broker and the workers at ROUNDHOUSE_BROKER_URL" in demo.stdout
         api = f"http://127.0.0.1:{flower_port}/api/workers?refresh=1"
         wait_for(
             lambda: any(

@@ -1,0 +1,239 @@
+"""Artifact serving for the reference orchestrator: a directory over HTTP, with signed URLs.
+
+Workers only ever see URLs. :class:`ArtifactServer` serves a directory the way an object
+store serves presigned URLs: GET and HEAD with single ``Range`` requests, ``ETag`` and
+``If-Range`` (so downloads resume), and PUT written atomically (result deltas). Each URL
+carries an expiry and an HMAC of the method, the path and the expiry; a wrong or expired
+signature is refused with 403, like a presigned S3 URL. For a real object store (MinIO,
+S3) see :mod:`orchestrator.s3`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | str | None:
+    """``(start, end_exclusive)``, ``"unsatisfiable"``, or None (no usable single range)."""
+    if not header:
+        return None
+    match = re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header)
+    if not match or not (match.group(1) or match.group(2)):
+        return None
+    first, last = match.group(1), match.group(2)
+    if not first:
+        suffix = int(last)
+        return (max(0, size - suffix), size) if suffix > 0 and size > 0 else "unsatisfiable"
+    start = int(first)
+    end = min(size, int(last) + 1) if last else size
+    if last and int(last) < start:
+        return None
+    return (start, end) if start < size else "unsatisfiable"
+
+
+def signature(secret: bytes, method: str, path: str, expires: int) -> str:
+    return hmac.new(secret, f"{method}\n{path}\n{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+class ArtifactServer:
+    """Serves ``root`` on ``host:port`` (0: a free port) until :meth:`stop`."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        public_host: str | None = None,
+    ) -> None:
+        self.root = os.path.realpath(os.fspath(root))
+        os.makedirs(self.root, exist_ok=True)
+        self.secret = secrets.token_bytes(32)
+        self._httpd = _Server((host, port), _Handler)
+        self._httpd.artifacts = self
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="artifact-server", daemon=True)
+        bound_port = self._httpd.server_address[1]
+        # The name workers use to reach us (a compose service name, a routable address).
+        self.host = public_host or (host if host not in ("0.0.0.0", "") else socket.gethostname())
+        self.port = int(bound_port)
+        self.base_url = f"http://{self.host}:{self.port}"
+        self.requests: list[tuple[str, str]] = []  # (method, path), for the tests and the demo
+
+    def __enter__(self) -> ArtifactServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> ArtifactServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def path(self, name: str) -> Path:
+        return Path(self.root) / name
+
+    def _url(self, name: str, method: str, expires_s: float) -> str:
+        path = "/" + quote(name.lstrip("/"))
+        expires = int(time.time() + expires_s)
+        sig = signature(self.secret, method, path, expires)
+        return f"{self.base_url}{path}?X-Expires={expires}&X-Signature={sig}"
+
+    def url_get(self, name: str, expires_s: float = 6 * 3600) -> str:
+        return self._url(name, "GET", expires_s)
+
+    def url_put(self, name: str, expires_s: float = 6 * 3600) -> str:
+        return self._url(name, "PUT", expires_s)
+
+    def fetch(self, name: str, dest: str | os.PathLike[str]) -> None:
+        """Copy a stored file out (what the workers uploaded)."""
+        shutil.copyfile(self.path(name), dest)
+
+    def publish(self, name: str, source: str | os.PathLike[str]) -> str:
+        """Copy a file in (atomically) and return its GET URL."""
+        target = self.path(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".publish.", suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return self.url_get(name)
+
+    def authorized(self, method: str, raw_path: str, query: str) -> bool:
+        values = parse_qs(query)
+        try:
+            expires = int(values["X-Expires"][0])
+            given = values["X-Signature"][0]
+        except (KeyError, ValueError, IndexError):
+            return False
+        wanted = signature(self.secret, "GET" if method == "HEAD" else method, raw_path, expires)
+        return expires >= time.time() and hmac.compare_digest(given, wanted)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    artifacts: ArtifactServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients that abort downloads are normal
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 120
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the URLs carry signatures: no request lines in logs
+
+    def _route(self, method: str) -> str | None:
+        parts = urlsplit(self.path)
+        store = self.server.artifacts
+        store.requests.append((method, unquote(parts.path)))
+        if not store.authorized(method, parts.path, parts.query):
+            self._reply(403, b"bad or expired signature\n")
+            return None
+        path = os.path.realpath(os.path.join(store.root, unquote(parts.path).lstrip("/")))
+        if not path.startswith(store.root + os.sep):
+            self._reply(403, b"outside the store\n")
+            return None
+        return path
+
+    def _reply(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if body and self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._get(head=False)
+
+    def do_HEAD(self) -> None:
+        self._get(head=True)
+
+    def _get(self, head: bool) -> None:
+        path = self._route(self.command)
+        if path is None:
+            return
+        if not os.path.isfile(path):
+            self._reply(404, b"not found\n")
+            return
+        with open(path, "rb") as file:
+            st = os.fstat(file.fileno())
+            etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
+            modified = email.utils.formatdate(st.st_mtime, usegmt=True)
+            wanted = parse_range(self.headers.get("Range"), st.st_size)
+            if_range = self.headers.get("If-Range")
+            if if_range and if_range not in (etag, modified):
+                wanted = None  # the file changed since the client's partial copy: send it whole
+            if wanted == "unsatisfiable":
+                self._reply(416, b"", {"Content-Range": f"bytes */{st.st_size}", "Accept-Ranges": "bytes"})
+                return
+            start, end = wanted if isinstance(wanted, tuple) else (0, st.st_size)
+            self.send_response(206 if isinstance(wanted, tuple) else 200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(end - start))
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("ETag", etag)
+            self.send_header("Last-Modified", modified)
+            if isinstance(wanted, tuple):
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
+            self.end_headers()
+            offset = start
+            while not head and offset < end:
+                offset += self.connection.sendfile(file, offset, min(CHUNK_BYTES, end - offset))
+
+    def do_PUT(self) -> None:
+        path = self._route("PUT")
+        if path is None:
+            return
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self._reply(411, b"Content-Length required\n")
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".upload.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                remaining = int(length)
+                while remaining:
+                    chunk = self.rfile.read(min(CHUNK_BYTES, remaining))
+                    if not chunk:
+                        raise ConnectionError("upload ended early")
+                    out.write(chunk)
+                    remaining -= len(chunk)
+            os.replace(tmp, path)
+        except OSError:
+            self.close_connection = True
+            return
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._reply(201)

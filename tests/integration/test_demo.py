@@ -1,0 +1,31 @@
+"""``roundhouse demo`` as a user runs it: embedded Redis, two real workers, a falling loss, a plot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.support.worker import REPO
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_demo_trains_and_plots(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDHOUSE_")}
+    out = tmp_path / "demo"
+    run = subprocess.run(
+        [sys.executable, "-m", "tasks.cli", "demo", "--rounds", "4", "--steps", "20", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "loss fell from" in run.stdout and "every worker holds the orchestrator's model" in run.stdout
+    png = out / "loss.png"
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size[0] >= 400 and image.size[1] >= 300
+        colors = image.convert("RGB").getcolors(maxcolors=1 << 16)
+        assert colors is None or len(colors) > 50, "the plot is blank"
