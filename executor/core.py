@@ -10,6 +10,7 @@ are the seed's, with keyword-only additions.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -23,20 +24,16 @@ from typing import Any
 
 import torch
 
-from executor import artifacts, placement, transfer
+from executor import placement, transfer
 from executor.dataset import ShardSession
 from executor.delta import file_state_hash
-from executor.errors import (
-    CleanupFailed,
-    InvalidRequest,
-)
+from executor.errors import CleanupFailed, InvalidRequest
 from executor.fileio import atomic_write_json, tree_bytes
 from executor.guard import validate_script
 from executor.inthread import RoundOutcome, ThreadRound
 from executor.isolation import Isolation
 from executor.modelfile import ModelFiles
-from executor.namespace import RoundOutputs, RoundSpec, build_namespace, stop_checker
-from executor.preprocess import ImagePreprocessor
+from executor.namespace import RoundOutputs, RoundSpec, SessionView, session_namespace
 from executor.results import (
     ApplyOutcome,
     ApplyVia,
@@ -45,20 +42,21 @@ from executor.results import (
     RoundResult,
 )
 from executor.rounds import round_result, ship_delta
-from executor.sandbox import resolve_mode, sandbox_config
 from executor.session import (
     Session,
     check_int,
     check_load_args,
     check_params,
-    model_fingerprint,
     parse_delta_dtype,
+    session_from_manifest,
 )
 from executor.shards import ShardCache, ShardDescriptor
 from executor.stopping import DoneThread, StopSignal, UserCodeShield
 from settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "session.json"
 
 StatsCallback = Callable[[dict[str, Any]], None]
 LogCallback = Callable[[str], None]
@@ -120,7 +118,19 @@ class Executor:
             progress=self._progress_reporter,
         )
         self._thread: DoneThread | None = None
-        self._isolation = self._isolation_for(sandboxed)
+        # The sandboxed runner's manager (DESIGN §8), or None for in-thread execution.
+        self._isolation = (
+            Isolation.for_settings(
+                self.settings,
+                self._tmpdir,
+                self._models.model_dir,
+                host_id=self._host_id,
+                emit_log=self._emit_log,
+                emit_stats=self._emit_stats,
+            )
+            if sandboxed
+            else None
+        )
         self._session: Session | None = None
         self._round = RoundSpec(100, 0, 1, 0, "training")
         self._stopped = False
@@ -129,29 +139,6 @@ class Executor:
         self.training_time: float = 0.0
         self.report: dict[str, Any] | None = None
         self.execution_error: dict[str, Any] | None = None
-
-    def _isolation_for(self, sandboxed: bool) -> Isolation | None:
-        """The sandboxed runner's manager, or None for in-thread execution (DESIGN §8).
-
-        ``sandboxed=True`` uses ``ROUNDHOUSE_SANDBOX`` (``auto`` when that says ``off``) and
-        raises ``SandboxUnavailable`` when nothing here can isolate tenant code.
-        """
-        if not sandboxed:
-            return None
-        requested = self.settings.sandbox if self.settings.sandbox != "off" else "auto"
-        config = sandbox_config(self.settings)
-        mode = resolve_mode(requested, config.uid)
-        os.chmod(self._tmpdir, 0o711)  # the sandbox uid may pass through, not list or read
-        return Isolation(
-            mode,
-            config,
-            self._tmpdir,
-            self._models.model_dir,
-            host_id=self._host_id,
-            max_script_bytes=self.settings.max_script_bytes,
-            emit_log=self._emit_log,
-            emit_stats=self._emit_stats,
-        )
 
     @property
     def sandbox_mode(self) -> str:
@@ -232,6 +219,9 @@ class Executor:
                 if args.descriptors and self._stage_first_shard:
                     staged = dataset.stage(args.initial_shard_index % len(args.descriptors))
                 self._close_session()
+                # A crash from here on must not rehydrate the old session onto the new model.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._manifest_path)
                 model = self._models.install(artifact, model_hash)
             except BaseException:
                 dataset.close(timeout_s=self.settings.stop_join_timeout_s)
@@ -271,11 +261,40 @@ class Executor:
 
         return report
 
+    @property
+    def _manifest_path(self) -> str:
+        return os.path.join(self._tmpdir, MANIFEST_NAME)
+
+    def rehydrate(self) -> bool:
+        """Carry on with the session a previous process left in this work dir.
+
+        A replacement worker child (after a crash, an OOM kill) finds the manifest and the
+        model file where the old one left them. Returns False, leaving the executor idle,
+        when there is nothing usable.
+        """
+        session = session_from_manifest(
+            self._manifest_path,
+            self._models.model_dir,
+            max_script_bytes=self.settings.max_script_bytes,
+            dataset=lambda tenant, descriptors: ShardSession(
+                self._cache, tenant, descriptors, abort=self._stop_event,
+                progress=self._progress_reporter("shard"), retain=not self._cache_private,
+            ),
+        )  # fmt: skip
+        if session is None:
+            return False
+        self._session = session
+        if self._isolation is not None:
+            self._isolation.adopt(session)
+        self._write_manifest()
+        logger.info("rehydrated the session of tenant %s (model %s)", session.tenant, session.model_hash)
+        return True
+
     def _write_manifest(self) -> None:
         if self._session is None:
             return
         try:
-            atomic_write_json(os.path.join(self._tmpdir, "session.json"), self._session.manifest())
+            atomic_write_json(self._manifest_path, self._session.manifest())
         except (TypeError, ValueError):
             # Library callers may pass params JSON cannot hold; the manifest is then skipped.
             logger.warning("session manifest not written: params are not JSON-serialisable")
@@ -355,33 +374,25 @@ class Executor:
         self.wait()
         return self.finish_round(delta_url=delta_url, delta_dtype=str(dtype).removeprefix("torch."))
 
-    def _device(self) -> str:
-        if torch.cuda.is_available():
-            return "cuda"
-        if torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-
     def _namespace(self, outputs: RoundOutputs) -> dict[str, Any]:
         session = self._require_session()
-        device = self._device()
-        preprocessor = ImagePreprocessor(session.preprocessor_config, session.params)
-        return build_namespace(
+        view = SessionView(
             model_path=session.model_path,
-            get_shard=self.get_shard,
+            bundle_root=session.bundle_root,
+            preprocessor_config=session.preprocessor_config,
+            params=session.params,
+            batch_size=session.batch_size,
             num_shards=session.dataset.num_shards,
             host_id=self._host_id,
-            device=device,
-            batch_size=session.batch_size,
-            params=session.params,
-            spec=self._round,
+            offload_dir=os.path.join(self._tmpdir, "model-offload"),
+        )
+        return session_namespace(
+            view,
+            self._round,
+            get_shard=self.get_shard,
             emit_stats=self._emit_stats,
             emit_log=self._emit_log,
-            should_stop=stop_checker(self._stop_event),
-            load_model=artifacts.load_state_file,
-            materialize_model=self._materialize_model,
-            place_model=self._place_model,
-            prepare_inputs=preprocessor.prepare,
+            stop_signal=self._stop_event,
             outputs=outputs,
             shield=self._shield.callback,
         )
@@ -452,45 +463,9 @@ class Executor:
         ):
             self._update_session(new_params, descriptors)
             return ApplyOutcome(ApplyVia.DELTA, result_hash, time.monotonic() - started, noop=True)
-        reason: str | None = "no delta offered"
-        if delta_url and base_hash and result_hash:
-            reason = self._try_delta(delta_url, base_hash, result_hash)
-        if reason is None:
-            via, model_hash = ApplyVia.DELTA, str(result_hash)
-        else:
-            logger.warning("sync: %s; downloading the full model", reason)
-            via, model_hash = ApplyVia.FULL, self._full_update(model_url, result_hash)
+        via, model_hash, reason = self._models.sync(session, model_url, delta_url, base_hash, result_hash)
         self._update_session(new_params, descriptors)
-        return ApplyOutcome(
-            via, model_hash, time.monotonic() - started, None if via is ApplyVia.DELTA else reason
-        )
-
-    def _try_delta(self, delta_url: str, base_hash: str, result_hash: str) -> str | None:
-        session = self._session
-        if session is None:
-            return "no local base model"
-        reason = self._models.apply_sync(
-            session.model_path,
-            delta_url,
-            base_hash=base_hash,
-            result_hash=result_hash,
-            known_hash=session.model_hash if session.file_unchanged() else None,
-        )
-        if reason is None:
-            session.model_hash = result_hash
-            session.fingerprint = model_fingerprint(session.model_path)
-        return reason
-
-    def _full_update(self, model_url: str, result_hash: str | None) -> str:
-        model = self._models.download(model_url, "model-full", expect_hash=result_hash)
-        session = self._session
-        if session is not None:
-            session.model_path = model.path
-            session.model_hash = model.model_hash
-            session.fingerprint = model.fingerprint
-            session.bundle_root = model.bundle_root
-            session.preprocessor_config = model.preprocessor_config
-        return model.model_hash
+        return ApplyOutcome(via, model_hash, time.monotonic() - started, reason)
 
     def _update_session(
         self, params: dict[str, Any] | None, descriptors: list[ShardDescriptor] | None
@@ -526,23 +501,6 @@ class Executor:
         if self._session is None:
             raise InvalidRequest("no model is loaded: send load_model first")
         return self._session
-
-    def _materialize_model(self, loaded: Any) -> torch.nn.Module:
-        session = self._require_session()
-        model, missing, unexpected = artifacts.materialize_model(
-            loaded, params=session.params, bundle_root=session.bundle_root
-        )
-        self._emit_log(f"[INFO] model materialized; missing={len(missing)}, unexpected={len(unexpected)}")
-        return model
-
-    def _place_model(self, model: torch.nn.Module, training: bool = True) -> torch.nn.Module:
-        return placement.place_model(
-            model,
-            training=training,
-            params=self._require_session().params,
-            offload_dir=os.path.join(self._tmpdir, "model-offload"),
-            emit_log=self._emit_log,
-        )
 
     # ------------------------------------------------------------ stop, reset, shutdown
 

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -421,6 +422,29 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += written
 
 
+class SpeedFloor:
+    """Fails a transfer that trickles (a slow-loris server): below ``bytes_per_s`` on average
+    over any ``window_s``, the attempt is over (and retried with a Range resume)."""
+
+    def __init__(self, bytes_per_s: int, window_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.window_s = window_s
+        self._since = time.monotonic()
+        self._bytes = 0
+
+    def add(self, count: int) -> None:
+        self._bytes += count
+        now = time.monotonic()
+        if now - self._since < self.window_s:
+            return
+        if self.bytes_per_s > 0 and self._bytes < self.bytes_per_s * (now - self._since):
+            rate = self._bytes / (now - self._since)
+            raise TransientError(
+                f"transfer slower than {self.bytes_per_s} B/s ({rate:.0f} B/s) for {self.window_s:.0f}s"
+            )
+        self._since, self._bytes = now, 0
+
+
 def copy_body(
     response: requests.Response,
     *,
@@ -431,6 +455,7 @@ def copy_body(
     buffer: memoryview,
     cancel: Cancel,
     on_written: Callable[[int], None],
+    floor: SpeedFloor | None = None,
 ) -> int:
     """Copy the body to ``fd`` at its file offsets, from ``pos`` up to ``end`` (None: EOF).
 
@@ -457,4 +482,6 @@ def copy_body(
         pwrite_all(fd, memoryview(data), pos)
         pos += len(data)
         on_written(len(data))
+        if floor is not None:
+            floor.add(len(data))
     return pos

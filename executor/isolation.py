@@ -14,15 +14,18 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from executor.errors import InvalidRequest
 from executor.fileio import temp_path_for
 from executor.inthread import RoundOutcome
 from executor.namespace import RoundSpec
-from executor.sandbox import Paths, SandboxConfig
+from executor.sandbox import Paths, SandboxConfig, resolve_mode, sandbox_config
 from executor.session import Session
 from executor.supervisor import Runner, result_limit
+
+if TYPE_CHECKING:
+    from settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +60,44 @@ class Isolation:
         self._runner: Runner | None = None
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_settings(
+        cls,
+        settings: Settings,
+        work_dir: str,
+        model_dir: str,
+        *,
+        host_id: str,
+        emit_log: Callable[[str], None],
+        emit_stats: Callable[[dict[str, Any]], None],
+    ) -> Isolation:
+        """``ROUNDHOUSE_SANDBOX`` (``auto`` when it says ``off``: the caller asked for a sandbox);
+        ``SandboxUnavailable`` when nothing here can isolate tenant code."""
+        requested = settings.sandbox if settings.sandbox != "off" else "auto"
+        config = sandbox_config(settings)
+        mode = resolve_mode(requested, config.uid)
+        os.chmod(work_dir, 0o711)  # the sandbox uid may pass through, not list or read
+        return cls(
+            mode,
+            config,
+            work_dir,
+            model_dir,
+            host_id=host_id,
+            max_script_bytes=settings.max_script_bytes,
+            emit_log=emit_log,
+            emit_stats=emit_stats,
+        )
+
     def start(self, session: Session) -> None:
         """A fresh runner for ``session`` (the previous one, if any, is ended first)."""
         self.close()
         self._session = session
         self._ensure()
+
+    def adopt(self, session: Session) -> None:
+        """Take over a rehydrated session; its runner starts with the first round."""
+        self.close()
+        self._session = session
 
     def _ensure(self) -> Runner:
         session = self._session

@@ -20,7 +20,8 @@ from executor import artifacts, transfer
 from executor.apply import apply_sync_delta
 from executor.delta import file_state_hash
 from executor.errors import HashMismatch, Stopped, error_info
-from executor.session import Fingerprint, model_fingerprint
+from executor.results import ApplyVia
+from executor.session import Fingerprint, Session, model_fingerprint
 from executor.shards import Progress
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,45 @@ class ModelFiles:
                     {"expected": expect_hash, "got": model_hash},
                 )
             return self.install(artifact, model_hash)
+
+    def sync(
+        self,
+        session: Session | None,
+        model_url: str,
+        delta_url: str | None,
+        base_hash: str | None,
+        result_hash: str | None,
+    ) -> tuple[ApplyVia, str, str | None]:
+        """The delta path, else the full download; returns (via, model hash, why not the delta).
+
+        ``session`` (when loaded) is updated to the new model file.
+        """
+        reason: str | None = "no delta offered"
+        if delta_url and base_hash and result_hash:
+            if session is None:
+                reason = "no local base model"
+            else:
+                known = session.model_hash if session.file_unchanged() else None
+                reason = self.apply_sync(
+                    session.model_path,
+                    delta_url,
+                    base_hash=base_hash,
+                    result_hash=result_hash,
+                    known_hash=known,
+                )
+        if reason is None and session is not None and result_hash:
+            session.model_hash = result_hash
+            session.fingerprint = model_fingerprint(session.model_path)
+            return ApplyVia.DELTA, result_hash, None
+        logger.warning("sync: %s; downloading the full model", reason)
+        model = self.download(model_url, "model-full", expect_hash=result_hash)
+        if session is not None:
+            session.model_path = model.path
+            session.model_hash = model.model_hash
+            session.fingerprint = model.fingerprint
+            session.bundle_root = model.bundle_root
+            session.preprocessor_config = model.preprocessor_config
+        return ApplyVia.FULL, model.model_hash, reason
 
     def apply_sync(
         self, model_path: str, delta_url: str, *, base_hash: str, result_hash: str, known_hash: str | None

@@ -175,3 +175,65 @@ def stop_checker(signal: Any) -> Callable[[], bool]:
         return False
 
     return should_stop
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """What the namespace needs of a loaded session, on either side of the sandbox."""
+
+    model_path: str
+    bundle_root: str | None
+    preprocessor_config: Mapping[str, Any]
+    params: dict[str, Any]
+    batch_size: int
+    num_shards: int
+    host_id: str
+    offload_dir: str
+
+
+def session_namespace(
+    view: SessionView,
+    spec: RoundSpec,
+    *,
+    get_shard: Callable[[int], Any],
+    emit_stats: Callable[[dict[str, Any]], None],
+    emit_log: Callable[[str], None],
+    stop_signal: Any,
+    outputs: RoundOutputs,
+    shield: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> dict[str, Any]:
+    """The namespace of one round: the same for in-thread execution and the sandboxed runner."""
+    from executor import artifacts, placement
+    from executor.preprocess import ImagePreprocessor
+
+    def materialize_model(loaded: Any) -> Any:
+        model, missing, unexpected = artifacts.materialize_model(
+            loaded, params=view.params, bundle_root=view.bundle_root
+        )
+        emit_log(f"[INFO] model materialized; missing={len(missing)}, unexpected={len(unexpected)}")
+        return model
+
+    def place_model(model: Any, training: bool = True) -> Any:
+        return placement.place_model(
+            model, training=training, params=view.params, offload_dir=view.offload_dir, emit_log=emit_log
+        )
+
+    return build_namespace(
+        model_path=view.model_path,
+        get_shard=get_shard,
+        num_shards=view.num_shards,
+        host_id=view.host_id,
+        device=placement.local_device(),
+        batch_size=view.batch_size,
+        params=view.params,
+        spec=spec,
+        emit_stats=emit_stats,
+        emit_log=emit_log,
+        should_stop=stop_checker(stop_signal),
+        load_model=artifacts.load_state_file,
+        materialize_model=materialize_model,
+        place_model=place_model,
+        prepare_inputs=ImagePreprocessor(view.preprocessor_config, view.params).prepare,
+        outputs=outputs,
+        shield=shield,
+    )

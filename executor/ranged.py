@@ -22,6 +22,7 @@ from executor.httpio import (
     Cancel,
     HaltedError,
     SourceChangedError,
+    SpeedFloor,
     TransientError,
     announced_total,
     check_status,
@@ -196,6 +197,7 @@ class RangedDownload:
                 buffer=buffer,
                 cancel=cancel,
                 on_written=lambda count: self._advance(index, count),
+                floor=SpeedFloor(self.config.low_speed_bytes_s, self.config.low_speed_time_s),
             )
         if pos < end:
             raise TransientError(f"segment {index} ended at byte {pos} of {start}-{end - 1}")

@@ -126,11 +126,9 @@ def _rebuild(error: dict[str, Any]) -> RoundhouseError:
 
 def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shards: ShardClient) -> None:
     """One round; always ends with a ``complete`` message."""
-    from executor import artifacts, placement
     from executor.guard import validate_script
     from executor.inthread import failure
-    from executor.namespace import RoundOutputs, RoundSpec, build_namespace, cpu_state, stop_checker
-    from executor.preprocess import ImagePreprocessor
+    from executor.namespace import RoundOutputs, RoundSpec, SessionView, cpu_state, session_namespace
     from executor.tensorfile import write_state
 
     started = time.monotonic()
@@ -141,35 +139,32 @@ def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shar
         with open(os.path.join(init["ro"], "code.py"), encoding="utf-8") as source:
             compiled = validate_script(source.read(), max_bytes=int(spec["max_script_bytes"]))
         params = dict(spec.get("params") or {})
-        training = spec["mode"] == "training"
-        namespace = build_namespace(
+        mode = str(spec["mode"])
+        training = mode == "training"
+        view = SessionView(
             model_path=init["model_path"],
-            get_shard=shards.get,
+            bundle_root=init.get("bundle_root"),
+            preprocessor_config=spec.get("preprocessor_config") or {},
+            params=params,
+            batch_size=int(spec["batch_size"]),
             num_shards=int(spec["num_shards"]),
             host_id=str(init["host_id"]),
-            device=placement.local_device(),
-            batch_size=int(spec["batch_size"]),
-            params=params,
-            spec=RoundSpec(
-                int(spec["steps"]),
-                int(spec["round_num"]),
-                int(spec["total_rounds"]),
-                int(spec["step_offset"]),
-                str(spec["mode"]),
-            ),
+            offload_dir=os.path.join(init["task"], "offload"),
+        )
+        round_spec = RoundSpec(
+            int(spec["steps"]),
+            int(spec["round_num"]),
+            int(spec["total_rounds"]),
+            int(spec["step_offset"]),
+            mode,
+        )
+        namespace = session_namespace(
+            view,
+            round_spec,
+            get_shard=shards.get,
             emit_stats=lambda data: channel.send({"type": "stats", "data": data}),
             emit_log=lambda text: channel.send({"type": "log", "text": text}),
-            should_stop=stop_checker(channel.stop),
-            load_model=artifacts.load_state_file,
-            materialize_model=lambda loaded: _materialize(loaded, params, init, channel),
-            place_model=lambda model, training=True: placement.place_model(
-                model,
-                training=training,
-                params=params,
-                offload_dir=os.path.join(init["task"], "offload"),
-                emit_log=lambda text: channel.send({"type": "log", "text": text}),
-            ),
-            prepare_inputs=ImagePreprocessor(spec.get("preprocessor_config") or {}, params).prepare,
+            stop_signal=channel.stop,
             outputs=outputs,
             shield=channel.shield.callback,
         )
@@ -208,21 +203,6 @@ def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shar
 def _own_pid_namespace(init: dict[str, Any]) -> bool:
     """kill(-1) is only safe as a small pid of a fresh pid namespace, as an unprivileged uid."""
     return bool(init.get("kill_strays")) and os.getpid() <= 2 and os.getuid() != 0
-
-
-def _materialize(loaded: Any, params: dict[str, Any], init: dict[str, Any], channel: Channel) -> Any:
-    from executor import artifacts
-
-    model, missing, unexpected = artifacts.materialize_model(
-        loaded, params=params, bundle_root=init.get("bundle_root")
-    )
-    channel.send(
-        {
-            "type": "log",
-            "text": f"[INFO] model materialized; missing={len(missing)}, unexpected={len(unexpected)}",
-        }
-    )
-    return model
 
 
 def _end_round(

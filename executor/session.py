@@ -6,8 +6,9 @@ refused before anything on disk or in memory changes.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -15,8 +16,10 @@ from typing import Any
 import torch
 
 from executor.dataset import ShardSession
-from executor.errors import InvalidRequest
+from executor.errors import InvalidRequest, RoundhouseError
 from executor.shards import ShardDescriptor, check_tenant
+
+logger = logging.getLogger(__name__)
 
 DELTA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -109,6 +112,8 @@ class Session:
         return {
             "v": 1,
             "tenant": self.tenant,
+            "model_url": self.model_url,
+            "preprocessor_config": self.preprocessor_config,
             "model_path": self.model_path,
             "bundle_root": self.bundle_root,
             "model_hash": self.model_hash,
@@ -118,3 +123,60 @@ class Session:
             "batch_size": self.batch_size,
             "shards": [d.__dict__ for d in self.dataset.descriptors],
         }
+
+
+def session_from_manifest(
+    manifest_path: str,
+    model_dir: str,
+    *,
+    max_script_bytes: int,
+    dataset: Callable[[str, list[ShardDescriptor]], ShardSession],
+) -> Session | None:
+    """The session a manifest describes, or None when it (or its model file) is not usable.
+
+    The recorded model hash is trusted only while the file is the one the manifest
+    describes (inode, size, mtime); otherwise it is recomputed from the file.
+    """
+    from executor.delta import file_state_hash
+    from executor.fileio import read_json
+    from executor.guard import validate_script
+
+    model_path = os.path.join(model_dir, "model.safetensors")
+    try:
+        manifest = read_json(manifest_path)
+        fingerprint = model_fingerprint(model_path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("v") != 1:
+        return None
+    try:
+        model_hash = str(manifest["model_hash"])
+        if list(fingerprint) != list(manifest.get("fingerprint", [])):
+            model_hash = file_state_hash(model_path)  # replaced since: an apply that crashed late
+        args = check_load_args(
+            manifest["model_url"],
+            manifest["shards"],
+            manifest["batch_size"],
+            manifest["params"],
+            0,
+            manifest["tenant"],
+        )
+        compiled = validate_script(manifest["code"], max_bytes=max_script_bytes)
+    except (KeyError, TypeError, RoundhouseError) as exc:
+        logger.warning("session manifest not usable: %s", exc)
+        return None
+    bundle_root = os.path.join(model_dir, "bundle")
+    return Session(
+        tenant=args.tenant,
+        model_url=str(manifest["model_url"]),
+        model_path=model_path,
+        bundle_root=bundle_root if os.path.isdir(bundle_root) else None,
+        preprocessor_config=dict(manifest.get("preprocessor_config") or {}),
+        code=str(manifest["code"]),
+        compiled=compiled,
+        params=args.params,
+        batch_size=args.batch_size,
+        model_hash=model_hash,
+        fingerprint=fingerprint,
+        dataset=dataset(args.tenant, args.descriptors),
+    )

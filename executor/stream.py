@@ -18,6 +18,7 @@ from executor.httpio import (
     RETRYABLE,
     Cancel,
     SourceChangedError,
+    SpeedFloor,
     TransientError,
     announced_total,
     check_status,
@@ -182,6 +183,7 @@ class _Stream:
             buffer=self.buffer,
             cancel=self.cancel,
             on_written=self.meter.add,
+            floor=SpeedFloor(self.config.low_speed_bytes_s, self.config.low_speed_time_s),
         )
         if expected is not None and pos == expected and total is None and response.raw.read1(1):
             pos += 1  # a body without Content-Length that runs past the declared size

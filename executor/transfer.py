@@ -79,6 +79,9 @@ class TransferConfig:
     buffer_bytes: int = 4 * MIB
     parallel_min_bytes: int = 64 * MIB
     parallel_connections: int = 8
+    # A server that trickles below this rate for this long fails the attempt (slow loris).
+    low_speed_bytes_s: int = 1024
+    low_speed_time_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.retries < 1 or self.parallel_connections < 1 or self.buffer_bytes < 1:
@@ -94,6 +97,8 @@ class TransferConfig:
             buffer_bytes=settings.download_buffer_bytes,
             parallel_min_bytes=settings.parallel_min_bytes,
             parallel_connections=settings.parallel_connections,
+            low_speed_bytes_s=settings.download_low_speed_bytes_s,
+            low_speed_time_s=settings.download_low_speed_time_s,
         )
 
     @property

@@ -70,6 +70,8 @@ class ChildRuntime:
             session_dir=os.path.join(settings.work_dir, settings.host_id, "session"),
             emit_state=self._progress,
         )
+        # A replacement child carries on with its predecessor's session: no reload needed.
+        self.rehydrated = self.executor.rehydrate()
         self.mailbox = StopMailbox(mailbox_dir(settings.work_dir, settings.host_id))
         self.signals = SignalPipe(self._on_signal)
         self.watcher = StopWatcher(settings.redis_events_url, settings.host_id, self._on_remote_stop)
