@@ -117,6 +117,7 @@ class Executor:
             bundle_max_files=self.settings.bundle_max_files,
             progress=self._progress_reporter,
         )
+        self._models.clean_leftovers()
         self._thread: DoneThread | None = None
         # The sandboxed runner's manager (DESIGN §8), or None for in-thread execution.
         self._isolation = (

@@ -10,6 +10,7 @@ stable ``code`` (DESIGN §3). The tree::
     │   └── CacheTooSmall                 invalid_request   (limit cannot hold two shards)
     ├── DownloadFailed                    download_failed   (retries spent, HTTP 4xx/5xx)
     ├── UploadFailed                      download_failed   (PUT of a result delta)
+    ├── StorageFull                       download_failed   (no space to store a download or a delta)
     ├── BadArtifact                       bad_artifact      (model, bundle, shard or delta unreadable)
     ├── HashMismatch                      hash_mismatch
     ├── UserCodeError                     user_code_error
@@ -28,6 +29,7 @@ serialises exceptions between the prefork child and the MainProcess.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -99,6 +101,18 @@ class DownloadFailed(RoundhouseError):
 
 class UploadFailed(DownloadFailed):
     pass
+
+
+class StorageFull(DownloadFailed):
+    """The disk holding a download (work dir, cache dir) or a delta is full."""
+
+
+NO_SPACE_ERRNOS = (28, 122, 27)  # ENOSPC, EDQUOT, EFBIG
+
+
+def storage_full(exc: OSError, where: str) -> StorageFull:
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    return StorageFull(f"{reason} while writing {where}", {"where": where, "errno": exc.errno})
 
 
 class BadArtifact(RoundhouseError):

@@ -24,7 +24,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from executor.errors import DownloadFailed, Stopped
+from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, Stopped
 from executor.stopping import StopSignal, on_stop
 
 if TYPE_CHECKING:
@@ -169,6 +169,8 @@ def run_attempts(
             cancel.check()
             raise _failed(failure, verb, url, str(exc), exc.status, attempt) from None
         except RETRYABLE as exc:
+            if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+                raise  # a full disk is not a network hiccup: the caller reports it at once
             # An abort shuts sockets down, so the read error is only its echo.
             cancel.check()
             reason = str(exc) if isinstance(exc, TransientError) else describe(exc)

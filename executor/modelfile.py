@@ -8,6 +8,7 @@ bad download, a bad artifact or a hash mismatch leaves it as it was.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from executor import artifacts, transfer
 from executor.apply import apply_sync_delta
 from executor.delta import file_state_hash
-from executor.errors import HashMismatch, Stopped, error_info
+from executor.errors import NO_SPACE_ERRNOS, BadArtifact, HashMismatch, Stopped, error_info, storage_full
+from executor.fileio import TEMP_SUFFIX, remove_quietly
 from executor.results import ApplyVia
 from executor.session import Fingerprint, Session, model_fingerprint
 from executor.shards import Progress
@@ -63,6 +65,28 @@ class ModelFiles:
         self._bundle_max_files = bundle_max_files
         self._progress = progress
 
+    def clean_leftovers(self) -> int:
+        """At start: temp files and the staging dir of a process that died writing them.
+
+        One process owns a work dir at a time, so whatever temp file is here now is an
+        orphan (partial downloads under ``incoming/`` stay: they resume).
+        """
+        removed = 0
+        for directory in (
+            self.work_dir,
+            self.model_dir,
+            *(os.path.join(self.work_dir, d) for d in ("deltas", "results")),
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(directory):
+                    if name.startswith(".") and name.endswith(TEMP_SUFFIX):
+                        removed += remove_quietly(os.path.join(directory, name)) >= 0
+        staging = os.path.join(self.work_dir, "incoming", "staging")
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+            removed += 1
+        return removed
+
     @property
     def incoming(self) -> str:
         path = os.path.join(self.work_dir, "incoming")
@@ -97,6 +121,11 @@ class ModelFiles:
                 max_bundle_bytes=self._bundle_max_bytes,
                 max_bundle_files=self._bundle_max_files,
             )
+        except BadArtifact as exc:
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno in NO_SPACE_ERRNOS:
+                raise storage_full(cause, dest_dir) from None  # not the artifact's fault
+            raise
         finally:
             if os.path.exists(download):
                 os.unlink(download)

@@ -15,7 +15,7 @@ import torch
 
 from executor import transfer
 from executor.delta import write_result_delta
-from executor.errors import ErrorInfo, RoundhouseError, Stopped, UserCodeError
+from executor.errors import NO_SPACE_ERRNOS, ErrorInfo, RoundhouseError, Stopped, UserCodeError, storage_full
 from executor.results import DeltaInfo, RoundResult, RoundStatus
 
 
@@ -34,7 +34,12 @@ def ship_delta(
     deltas = os.path.join(work_dir, "deltas")
     os.makedirs(deltas, exist_ok=True)
     path = os.path.join(deltas, f"round-{round_num}.safetensors.zst")
-    written = write_result_delta(model_path, trained or {}, path, dtype=dtype)
+    try:
+        written = write_result_delta(model_path, trained or {}, path, dtype=dtype)
+    except OSError as exc:
+        if exc.errno in NO_SPACE_ERRNOS:
+            raise storage_full(exc, "the work dir (trained delta)") from None
+        raise
     if not delta_url:
         return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
     try:

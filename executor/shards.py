@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import zstandard
 
 from executor import transfer
-from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, Stopped
+from executor.errors import NO_SPACE_ERRNOS, BadArtifact, CacheTooSmall, InvalidRequest, Stopped, storage_full
 from executor.fileio import temp_path_for
 from executor.ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
 from executor.locks import POLL_S, FileLock
@@ -326,7 +326,12 @@ class ShardCache:
             source.seek(0)
             tmp = temp_path_for(path)
             try:
-                written = self._decode_stream(source, tmp, reservation, packed_size, pinned, abort)
+                try:
+                    written = self._decode_stream(source, tmp, reservation, packed_size, pinned, abort)
+                except OSError as exc:
+                    if exc.errno in NO_SPACE_ERRNOS:
+                        raise storage_full(exc, "the shard cache") from None
+                    raise
                 if decoded is not None and written != decoded:
                     raise BadArtifact(f"shard decoded to {written} bytes, its frame says {decoded}")
                 os.replace(tmp, path)

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from typing import IO, Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from executor.errors import DownloadFailed, HashMismatch, InvalidRequest, UploadFailed
+from executor.errors import (
+    NO_SPACE_ERRNOS,
+    DownloadFailed,
+    HashMismatch,
+    InvalidRequest,
+    UploadFailed,
+    storage_full,
+)
 from executor.httpio import (
     MIB,
     SEND_BLOCK_BYTES,
@@ -148,13 +155,20 @@ def fetch(
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     meter = ProgressMeter(progress)
     digest: str | None = None
-    with Cancel(abort, url) as cancel:
-        if kind == "local":
-            resumed_bytes, connections = 0, 0
-            digest = _copy_local(location, dest, config, cancel, meter, hashed=sha256 is not None)
-        else:
-            resumed_bytes, connections = download(url, dest, config, cancel, meter, size)
-        total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
+    try:
+        with Cancel(abort, url) as cancel:
+            if kind == "local":
+                resumed_bytes, connections = 0, 0
+                digest = _copy_local(location, dest, config, cancel, meter, hashed=sha256 is not None)
+            else:
+                resumed_bytes, connections = download(url, dest, config, cancel, meter, size)
+            total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
+    except OSError as exc:
+        if exc.errno not in NO_SPACE_ERRNOS:
+            raise
+        # A full disk: free what the attempt took (nothing half-written stays) and say where.
+        discard(*partial_paths(dest))
+        raise storage_full(exc, os.path.dirname(os.path.abspath(dest))) from None
     meter.finish()
     return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked)
 

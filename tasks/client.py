@@ -17,10 +17,22 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from executor.httpio import redact_url
 from settings import Settings, celery_config, get_settings
 from tasks.child import HEARTBEAT_PREFIX, heartbeat_key
 from tasks.control import send_stop
 from tasks.events import Event, channel_name, stream_name
+
+
+def redacted(value: Any) -> Any:
+    """``value`` with every URL's query string (and userinfo) removed, for display."""
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {key: redacted(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(item) for item in value]
+    return value
 
 
 class RoundClient:
@@ -58,7 +70,11 @@ class RoundClient:
 
     def _send(self, host: str, name: str, kwargs: dict[str, Any]) -> AsyncResult:
         queue = f"roundhouse.{host}"
-        result = self.app.send_task(name, kwargs=kwargs, queue=queue, routing_key=queue)
+        # Task events (Flower) and Celery's logs show kwargsrepr, not the kwargs: presigned
+        # URLs are credentials, so they appear there without their query strings.
+        result = self.app.send_task(
+            name, kwargs=kwargs, queue=queue, routing_key=queue, kwargsrepr=repr(redacted(kwargs))
+        )
         self._hosts_of[result.id] = host
         return result
 

@@ -234,10 +234,11 @@ def test_each_stop_path_stops_a_round_and_the_child_lives_on(  # type: ignore[no
     pid = worker.child_pid()
     model_gets = count_gets(server, "model.safetensors")
     since = client_seq(client)
+    stalls = server.stalls_entered
     pending = client.run_round("w1", steps=1, round_num=0)
     wait_for_log(client, since, "round zero started")
     if scenario == "download":
-        assert server.wait_for_stalls(timeout_s=30)
+        assert server.wait_for_stalls(stalls + 1, timeout_s=30)
     started = time.monotonic()
     if path == "revoke":
         client.app.control.revoke(pending.id)

@@ -235,6 +235,11 @@ class FaultServer:
     def release_stalls(self) -> None:
         self._stalls.release()
 
+    @property
+    def stalls_entered(self) -> int:
+        """Requests that have entered a stall so far (take it before, then wait for one more)."""
+        return self._stalls.entered
+
     def wait_for_stalls(self, count: int = 1, timeout_s: float = 10.0) -> bool:
         """Wait until ``count`` requests in total have entered a stall."""
         return self._stalls.wait_entered(count, timeout_s)
