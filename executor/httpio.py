@@ -464,26 +464,71 @@ def copy_body(
     ``body_offset`` is the file offset of the body's first byte; bytes before ``pos``
     (a 200 answer to a ranged request) are read and dropped. Returns the new ``pos``.
     """
-    raw = response.raw
+    readinto1 = body_reader(response)
     skip_bytes = pos - body_offset
     while skip_bytes > 0:
         cancel.check()
-        count = raw.readinto(buffer[: min(len(buffer), skip_bytes)])
+        count = readinto1(buffer[: min(len(buffer), skip_bytes)])
         if count == 0:
             raise TransientError("body ended before the requested offset")
         skip_bytes -= count
     while end is None or pos < end:
         cancel.check()
         limit = len(buffer) if end is None else min(len(buffer), end - pos)
-        # read1 returns what has arrived (one recv at most) instead of blocking until the
-        # whole buffer is full: bytes reach the partial file, and so survive a crash of
-        # this process, as soon as the server sends them, even when it then stalls.
-        data = raw.read1(limit)
-        if not data:
+        # One recv at most, not a full buffer: bytes reach the partial file, and so survive
+        # a crash of this process, as soon as the server sends them, even when it then stalls.
+        count = readinto1(buffer[:limit])
+        if not count:
             break
-        pwrite_all(fd, memoryview(data), pos)
-        pos += len(data)
-        on_written(len(data))
+        pwrite_all(fd, buffer[:count], pos)
+        pos += count
+        on_written(count)
         if floor is not None:
-            floor.add(len(data))
+            floor.add(count)
     return pos
+
+
+def body_reader(response: requests.Response) -> Callable[[memoryview], int]:
+    """``readinto1`` over the body: at most one socket read, into the caller's reused buffer.
+
+    urllib3's ``read1`` returns a new bytes object per call; at multi-MiB reads each is a
+    fresh ``mmap`` whose pages fault in on every call, which made a 4 MiB-buffer copy run at
+    a third of the speed of the same copy into a reused buffer (834 vs 2495 MB/s from nginx
+    on loopback). http.client has no ``readinto1``, so for a plain body (a length, not
+    chunked, not decoded: we ask for identity and ``check_status`` refuses anything else)
+    this reads the connection's buffered reader directly and keeps http.client's count of
+    remaining bytes as its own ``readinto`` does. Anything else takes urllib3's ``read1``.
+    """
+    raw = response.raw
+    inner = getattr(raw, "_fp", None)
+    reader = getattr(inner, "fp", None)
+    plain = (
+        isinstance(inner, http.client.HTTPResponse)
+        and reader is not None
+        and hasattr(reader, "readinto1")
+        and not inner.chunked
+        and inner.length is not None
+        and response.headers.get("Content-Encoding", "identity").strip().lower() in ("", "identity")
+    )
+    if not plain:
+
+        def via_read1(view: memoryview) -> int:
+            data = raw.read1(len(view))
+            view[: len(data)] = data
+            return len(data)
+
+        return via_read1
+    assert isinstance(inner, http.client.HTTPResponse) and reader is not None
+
+    def direct(view: memoryview) -> int:
+        remaining = inner.length
+        if not remaining:
+            return 0
+        count = int(reader.readinto1(view[:remaining] if len(view) > remaining else view))
+        if count:
+            inner.length = remaining - count
+        if not count or not inner.length:
+            inner._close_conn()  # type: ignore[attr-defined]  # what http.client does at the end of a body
+        return count
+
+    return direct

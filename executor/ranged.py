@@ -59,9 +59,12 @@ def plan_segments(total_bytes: int, connections: int) -> list[list[int]]:
 
 
 def preallocate(path: str, total_bytes: int) -> None:
-    """Create ``path`` empty and reserve ``total_bytes`` (so a full disk fails now, not mid-way)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    """Reserve ``total_bytes`` for ``path`` (so a full disk fails now, not mid-way), keeping
+    the bytes already there (the first connection's probe)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        if os.fstat(fd).st_size > total_bytes:
+            os.ftruncate(fd, total_bytes)
         try:
             os.posix_fallocate(fd, 0, total_bytes)
         except OSError:  # filesystems without fallocate (some network mounts)
@@ -97,21 +100,27 @@ class RangedDownload:
         self._lock = threading.Lock()
         self._recorded = [seg[2] for seg in self.segments]
         self._first: requests.Response | None = None
+        self._first_offset = 0
 
-    def run(self, first: requests.Response | None = None) -> int:
-        """Download; ``first`` is an open 200 response whose body becomes segment 0.
+    def run(self, first: requests.Response | None = None, first_offset: int = 0) -> int:
+        """Download; ``first`` is an open 200 response whose body, from file offset
+        ``first_offset`` (what was read of it already), becomes segment 0.
 
         Returns the number of connections used; raises ``Stopped``, ``SourceChangedError``
         or the ``DownloadFailed`` of the first segment that spent its retries.
         """
         self._first = first
+        self._first_offset = first_offset
         self.meter.reset(sum(seg[2] for seg in self.segments), self.sidecar.total)
         todo = [i for i, (start, end, done) in enumerate(self.segments) if start + done < end]
         try:
-            if first is not None:
-                preallocate(self.partial, self.segments[-1][1])
+            # Segments first, then the full size: a crash in between leaves a short file
+            # that ``resumable`` discards. The other order would leave a full-size file
+            # beside the probe's one-stream sidecar, which reads as a finished download.
             with self._lock:
                 self.sidecar.save(self.sidecar_path)
+            if first is not None:
+                preallocate(self.partial, self.segments[-1][1])
             fd = os.open(self.partial, os.O_RDWR)
             try:
                 errors = self._supervise(fd, todo) if todo else []
@@ -123,7 +132,8 @@ class RangedDownload:
             if self._first is not None:
                 self._first.close()
         self._raise_first(errors)
-        return len(todo)
+        # The first response counts even when its probe already finished segment 0.
+        return len(todo) + (first is not None and 0 not in todo)
 
     def _supervise(self, fd: int, todo: list[int]) -> list[BaseException]:
         with Cancel(self.abort, self.url) as cancel:
@@ -176,6 +186,7 @@ class RangedDownload:
         if pos >= end:
             return
         response = self._take_first(index)
+        body_offset: int | None = self._first_offset if response is not None else None
         if response is None:
             response = session.get(
                 self.url,
@@ -193,7 +204,7 @@ class RangedDownload:
                 fd=fd,
                 pos=pos,
                 end=end,
-                body_offset=self._body_offset(response, pos),
+                body_offset=self._body_offset(response, pos) if body_offset is None else body_offset,
                 buffer=buffer,
                 cancel=cancel,
                 on_written=lambda count: self._advance(index, count),

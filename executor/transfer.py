@@ -82,10 +82,14 @@ class TransferConfig:
     connect_timeout_s: float = 30.0
     read_timeout_s: float = 300.0  # a read stalled longer than this fails the attempt
     # Files are copied and hashed through one reused buffer of this size; network reads take
-    # at most this much per call, straight from urllib3's read1 (its readinto is read + copy).
+    # at most this much per call, into the same kind of buffer (httpio.body_reader).
     buffer_bytes: int = 4 * MIB
     parallel_min_bytes: int = 64 * MIB
     parallel_connections: int = 8
+    # Split only when the first connection ran slower than this over its first 16 MiB
+    # (stream.PROBE_BYTES); 0: always split. 400 MB/s is far above what one connection to
+    # an object store gets and far below one to a nearby server.
+    parallel_below_bytes_s: int = 400_000_000
     # A server that trickles below this rate for this long fails the attempt (slow loris).
     low_speed_bytes_s: int = 1024
     low_speed_time_s: float = 60.0
@@ -104,6 +108,7 @@ class TransferConfig:
             buffer_bytes=settings.download_buffer_bytes,
             parallel_min_bytes=settings.parallel_min_bytes,
             parallel_connections=settings.parallel_connections,
+            parallel_below_bytes_s=settings.parallel_below_bytes_s,
             low_speed_bytes_s=settings.download_low_speed_bytes_s,
             low_speed_time_s=settings.download_low_speed_time_s,
         )

@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     download_buffer_bytes: int = 4 * MIB
     parallel_min_bytes: int = 64 * MIB
     parallel_connections: int = 8
+    parallel_below_bytes_s: int = 400_000_000
     download_low_speed_bytes_s: int = 1024
     download_low_speed_time_s: float = 60.0
 

@@ -233,6 +233,11 @@ def test_whole_worker_killed_and_restarted_reuses_its_cache_and_resumes(world) -
         stalls = server.stalls_entered
         client.run_round("f2", steps=1, round_num=9)
         assert server.wait_for_stalls(stalls + 1, timeout_s=60)
+        # The server has sent its 20 000 bytes; kill once the worker has put them on disk.
+        deadline = time.monotonic() + 60
+        while not any(p.stat().st_size >= 20_000 for p in directory.rglob("*.partial")):
+            assert time.monotonic() < deadline, "the stalled download never reached the disk"
+            time.sleep(0.01)
         os.killpg(f2.main_pid, signal.SIGKILL)  # MainProcess, child, sandbox: everything at once
         f2.process.wait(timeout=30)
         server.release_stalls()

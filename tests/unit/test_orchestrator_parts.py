@@ -44,7 +44,9 @@ def test_ranges_and_atomic_puts_work_with_the_executors_transfer(
     url = store.publish("big", tmp_path / "big")
     ranged = requests.get(url, headers={"Range": "bytes=10-19"}, timeout=10)
     assert ranged.status_code == 206 and ranged.content == data[10:20]
-    config = transfer.TransferConfig(parallel_min_bytes=1 << 20, parallel_connections=3, backoff_s=0.01)
+    config = transfer.TransferConfig(
+        parallel_min_bytes=1 << 20, parallel_connections=3, parallel_below_bytes_s=0, backoff_s=0.01
+    )
     result = transfer.fetch(url, str(tmp_path / "copy"), config=config)
     assert (tmp_path / "copy").read_bytes() == data and result.connections == 3
     transfer.upload(str(tmp_path / "copy"), store.url_put("up/delta.zst"))

@@ -1,0 +1,224 @@
+"""``python -m bench.celery [--rounds 30] [--events 300] [--stops 10]``: Celery latencies.
+
+A real ``roundhouse worker`` (``celery worker -P prefork -c 1``, sandboxed tenant code)
+against the embedded ``redis-server`` on loopback, driven by ``tasks.client.RoundClient``:
+
+- dispatch: ``run_round`` sent (``send_task``) to the first line of tenant code running in
+  the sandbox, which records ``time.time()`` (one clock: same host, the sandbox shares it);
+- events: ``emit_stats`` in tenant code to the event in a subscriber's hands
+  (``RoundClient.events``: Redis pub/sub), ``--events`` of them 5 ms apart;
+- stop: for each stop path (plain revoke, revoke with terminate, ``RoundClient.stop``, a soft
+  time limit), a round spinning in a tight Python loop is stopped; the latency is from the
+  stop call (for the time limit: from the limit's expiry) to the ``stopped`` result stored
+  in the backend, polled every 5 ms.
+
+Targets: dispatch p50 < 20 ms, event p50 < 5 ms, stop p99 < 1 s for every path.
+Writes ``bench/results/celery.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from celery.result import AsyncResult
+from safetensors.torch import save_file
+
+from orchestrator.local import EmbeddedRedis, LocalWorker
+from settings import Settings
+from tasks.client import RoundClient
+from tests.support.engine import make_shards, mlp_state
+from tests.support.http_server import FaultServer
+
+RESULTS = Path(__file__).parent / "results"
+HOST = "bench"
+EVENTS_FROM, SPIN_FROM = 100_000, 200_000  # round numbers select what the code does
+
+CODE = f"""
+import time
+started = time.time()
+if round_num >= {SPIN_FROM}:
+    emit_log("spinning")
+    while True:
+        pass
+if round_num >= {EVENTS_FROM}:
+    for step in range(steps):
+        emit_stats({{"step": step, "t": time.time()}})
+        time.sleep(0.005)
+save_report({{"started": started}})
+"""
+SOFT_LIMIT_S = 1.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "p50_ms": statistics.median(values) * 1000,
+        "p99_ms": percentile(values, 0.99) * 1000,
+        "max_ms": max(values) * 1000,
+    }
+
+
+def stored(pending: AsyncResult, timeout_s: float = 60) -> tuple[dict[str, Any], float]:
+    """The stored SUCCESS result and when it was first seen (past a transient REVOKED)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        meta = pending.backend.get_task_meta(pending.id, cache=False)
+        if meta["status"] == "SUCCESS":
+            return dict(meta["result"]), time.time()
+        time.sleep(0.005)
+    raise TimeoutError(f"no result for {pending.id}")
+
+
+def seq(client: RoundClient) -> int:
+    return int(client.redis.get(f"roundhouse:events:{HOST}:seq") or 0)
+
+
+def dispatch(client: RoundClient, rounds: int) -> list[float]:
+    latencies = []
+    for number in range(rounds):
+        sent = time.time()
+        result = client.run_round(HOST, steps=1, round_num=number).get(timeout=60)
+        assert result["status"] == "completed", result
+        latencies.append(result["report"]["started"] - sent)
+    return latencies
+
+
+def events(client: RoundClient, count: int) -> list[float]:
+    latencies: list[float] = []
+    ready = threading.Event()
+    since = seq(client)
+
+    def listen() -> None:
+        stream = client.events(HOST, since=since, idle_timeout_s=15)
+        ready.set()
+        for event in stream:
+            if event.type == "stats" and "t" in event.data:
+                latencies.append(time.time() - event.data["t"])
+                if len(latencies) == count:
+                    return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    ready.wait(10)
+    time.sleep(0.5)  # the subscription is live before the first event
+    result = client.run_round(HOST, steps=count, round_num=EVENTS_FROM).get(timeout=120)
+    assert result["status"] == "completed", result
+    listener.join(30)
+    assert len(latencies) == count, f"{len(latencies)} of {count} events arrived"
+    return latencies
+
+
+def wait_spinning(client: RoundClient, since: int) -> None:
+    for event in client.events(HOST, since=since, idle_timeout_s=60):
+        if event.type == "log" and "spinning" in event.data.get("text", ""):
+            return
+    raise TimeoutError("the round never started spinning")
+
+
+def stop_once(client: RoundClient, path: str, number: int) -> float:
+    since = seq(client)
+    if path == "soft time limit":
+        pending = client.app.send_task(
+            "roundhouse.run_round",
+            kwargs={"steps": 1, "round_num": SPIN_FROM + number},
+            queue=f"roundhouse.{HOST}",
+            soft_time_limit=SOFT_LIMIT_S,
+        )
+    else:
+        pending = client.run_round(HOST, steps=1, round_num=SPIN_FROM + number)
+    wait_spinning(client, since)
+    if path == "soft time limit":
+        # The limit runs from the task's start; its start is the task-started state event.
+        started = task_started_at(client, since, pending.id)
+        asked = started + SOFT_LIMIT_S
+    else:
+        asked = time.time()
+        if path == "revoke":
+            client.app.control.revoke(pending.id)
+        elif path == "revoke terminate":
+            client.app.control.revoke(pending.id, terminate=True, signal="SIGUSR2")
+        else:
+            client.stop(pending.id, host=HOST)
+    result, seen = stored(pending)
+    assert result["status"] == "stopped", result
+    return seen - asked
+
+
+def task_started_at(client: RoundClient, since: int, task_id: str) -> float:
+    for event in client.events(HOST, since=since, idle_timeout_s=5):
+        if event.task_id == task_id and event.type == "state" and event.data.get("event") == "task-started":
+            return event.ts
+    raise TimeoutError("no task-started event")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--events", type=int, default=300)
+    parser.add_argument("--stops", type=int, default=10)
+    args = parser.parse_args()
+    Path("var").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir="var") as tmp:
+        base = Path(tmp)
+        root = base / "srv"
+        root.mkdir()
+        save_file(mlp_state(), str(root / "model.safetensors"))
+        raw = make_shards(root)
+        redis_server = EmbeddedRedis(base / "redis").start()
+        worker = LocalWorker(HOST, redis_server.url, base / "worker", env={"ROUNDHOUSE_METRICS_PORT": "0"})
+        try:
+            worker.start()
+            with FaultServer(root) as server:
+                shards = [
+                    {"url": server.url(s["name"]), "compression": "zstd", "size_bytes": s["size_bytes"]}
+                    for s in raw
+                ]
+                client = RoundClient(Settings(broker_url=redis_server.url, host_id="bench-client"))
+                client.load_model(HOST, server.url("model.safetensors"), shards, CODE).get(timeout=120)
+                client.run_round(HOST, steps=1, round_num=0).get(timeout=60)  # warm
+                dispatch_s = dispatch(client, args.rounds)
+                event_s = events(client, args.events)
+                stops = {
+                    path: [stop_once(client, path, n) for n in range(args.stops)]
+                    for path in ("revoke", "revoke terminate", "RoundClient.stop", "soft time limit")
+                }
+        finally:
+            worker.stop()
+            redis_server.stop()
+    record = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python -m bench.celery", *sys.argv[1:]]),
+        "dispatch": summary(dispatch_s),
+        "event": summary(event_s),
+        "stop": {path: summary(values) for path, values in stops.items()},
+        "raw_s": {"dispatch": dispatch_s, "event": event_s, "stop": stops},
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "celery.json").write_text(json.dumps(record, indent=2))
+    print(f"{'what':<34}{'n':>5}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'target':>16}")
+    rows = [("send_task -> tenant code runs", record["dispatch"], "p50 < 20 ms")]
+    rows.append(("emit_stats -> subscriber", record["event"], "p50 < 5 ms"))
+    rows += [(f"stop: {path}", stats, "p99 < 1000 ms") for path, stats in record["stop"].items()]
+    for name, stats, target in rows:
+        print(
+            f"{name:<34}{stats['n']:>5}{stats['p50_ms']:>9.1f}{stats['p99_ms']:>9.1f}{stats['max_ms']:>9.1f}"
+            f"{target:>16}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU check (issue 7): on a machine with an NVIDIA GPU and its own PyTorch. It installs the
+# worker's other packages from wheels carried beside it (scripts/gpu_wheels.sh makes them), runs
+# tests/gpu/ (embedded Redis + a real prefork worker: CUDA in the sandbox, timm and HF training
+# through run_round, place_model offload with 1 GiB of VRAM left, a real gpu_oom, a stop during
+# a GPU kernel loop, memory after reset), then bench.gpu (executor vs bare loop steps/s), and
+# prints one table last. Under 8 minutes on an H200.
+#   scripts/gpu_check.sh [wheel dir, default .whl]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${1:-.whl}
+PY=${PYTHON:-python3}
+mkdir -p var/gpu
+export ROUNDHOUSE_GPU_RESULTS=$PWD/var/gpu/results.jsonl PYTHONUNBUFFERED=1
+rm -f "$ROUNDHOUSE_GPU_RESULTS"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target var/gpu/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=$PWD/var/gpu/site:$PYTHONPATH
+fi
+if ! command -v bwrap >/dev/null 2>&1 && ls "$WHEELS"/bubblewrap_*.deb >/dev/null 2>&1; then
+  dpkg -x "$WHEELS"/bubblewrap_*.deb var/gpu/bwrap && export PATH=$PWD/var/gpu/bwrap/usr/bin:$PATH
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+timeout 330 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee var/gpu/pytest.log
+tests=${PIPESTATUS[0]}
+timeout 150 $PY -m bench.gpu --steps 40 --runs 2 2>&1 | tee var/gpu/bench.log
+bench=${PIPESTATUS[0]}
+$PY -m bench.gpu --table | tee var/gpu/table.txt
+if [ -n "${OUT:-}" ]; then cp var/gpu/*.log var/gpu/table.txt var/gpu/results.jsonl "$OUT"/ 2>/dev/null; fi
+echo "tests exit $tests, bench exit $bench"
+[ "$tests" = 0 ] && [ "$bench" = 0 ]
