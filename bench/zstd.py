@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -53,10 +52,16 @@ def make_shard(path: Path, megabytes: int, seed: int = 11) -> tuple[int, int]:
     return len(packed), len(raw)
 
 
-def timed(action: Callable[[], object]) -> float:
+def timed(action: Callable[[], Callable[[], None]]) -> float:
+    """Seconds of ``action``; the clean-up it returns (deleting its output) runs untimed, and
+    the next method waits a moment: freeing 500 MB of page cache and blocks is the kernel's
+    work, and it lands on whichever method runs next."""
     started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
+    clean_up = action()
+    seconds = time.perf_counter() - started
+    clean_up()
+    time.sleep(0.3)
+    return seconds
 
 
 def main() -> int:
@@ -76,40 +81,38 @@ def main() -> int:
             {"url": str(packed), "compression": "zstd", "size_bytes": packed_size}
         )
 
-        def cli() -> None:
+        def cli() -> Callable[[], None]:
             subprocess.run([tools["zstd"], "-q", "-d", "-T1", "-f", str(packed), "-o", str(out)], check=True)
-            out.unlink()
+            return out.unlink
 
-        def decode() -> None:
-            # The cache's decode step alone, on the packed file already on disk; its reservation
-            # is taken as _download takes it (untimed work is not excluded: it is microseconds).
-            target = str(base / "decoded.entry")
+        def decode() -> Callable[[], None]:
+            # The cache's decode step alone, on the packed file already on disk, with its
+            # reservation taken as _download takes it: probe, reserve, decode, check, rename.
+            target = base / "decoded.entry"
             reservation = cache.ledger.reserve("bench", "decode", packed_size)
             try:
-                cache._decompress(str(packed), target, reservation, packed_size, 0, None)
+                cache._decompress(str(packed), str(target), reservation, packed_size, 0, None)
             finally:
                 cache.ledger.release(reservation)
-            os.unlink(target)
+            return target.unlink
 
-        def acquire() -> None:
+        def acquire() -> Callable[[], None]:
             pin = cache.acquire("bench", descriptor)
-            path = pin.path
             pin.release()
-            cache.invalidate("bench", descriptor)
-            assert not os.path.exists(path)
+            return lambda: cache.invalidate("bench", descriptor)
 
-        def copy() -> None:
+        def copy() -> Callable[[], None]:
             shutil.copyfile(packed, base / "copy.zst")
-            (base / "copy.zst").unlink()
+            return (base / "copy.zst").unlink
 
-        methods: dict[str, Callable[[], None]] = {
+        methods: dict[str, Callable[[], Callable[[], None]]] = {
             "zstd -d -T1 (CLI)": cli,
             "roundhouse decode step": decode,
             "roundhouse acquire (copy+decode)": acquire,
             "copy of the packed file": copy,
         }
         for method in methods.values():  # warm the page cache and the code paths
-            method()
+            timed(method)
         times: dict[str, list[float]] = {name: [] for name in methods}
         for _ in range(args.runs):
             for name, method in methods.items():  # interleaved, so drift hits each alike

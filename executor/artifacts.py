@@ -184,7 +184,7 @@ def _install_converted(
     try:
         if source_format == TORCH:
             state = load_torch_state(downloaded)
-            with open(tmp, "wb") as sink:
+            with open(tmp, "r+b") as sink:  # not "wb": see fileio.temp_path_for
                 tensorfile.write_state(sink, state, bundle.SAFETENSORS_METADATA)
             del state
         else:

@@ -17,7 +17,12 @@ TEMP_SUFFIX = ".tmp"
 
 
 def temp_path_for(path: str) -> str:
-    """A fresh, unique, already-created temp file in ``path``'s directory."""
+    """A fresh, unique, already-created (empty) temp file in ``path``'s directory.
+
+    Open it with ``"r+b"``, not ``"wb"``: truncating an existing file, even an empty one,
+    makes ext4 allocate every block of what is then written when the file is closed
+    (``auto_da_alloc``), which cost 0.1 s per 500 MB of shard on close (bench/zstd.py).
+    """
     directory, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TEMP_SUFFIX, dir=directory)
     os.close(fd)
@@ -29,7 +34,7 @@ def atomic_writer(path: str) -> Iterator[IO[bytes]]:
     """Yield a binary file; on a clean exit it replaces ``path`` whole, on error nothing changes."""
     tmp = temp_path_for(path)
     try:
-        with open(tmp, "wb") as file:
+        with open(tmp, "r+b") as file:  # not "wb": see temp_path_for
             yield file
         os.replace(tmp, path)
     finally:
