@@ -172,7 +172,7 @@ def main() -> int:
     args = parser.parse_args()
     Path("var").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir="var") as tmp:
-        base = Path(tmp)
+        base = Path(tmp).resolve()  # redis-server reads its log path after entering --dir
         root = base / "srv"
         root.mkdir()
         save_file(mlp_state(), str(root / "model.safetensors"))

@@ -87,8 +87,9 @@ def main() -> int:
                 work_dir=str(base / "work"),
                 cache_dir=str(base / "cache"),
                 host_id="bench",
-                # Three shards fit, so every round fetches every shard again.
-                shard_cache_max_mb=max(sizes) * 3 // (1 << 20) + 1,
+                # Room for three shards, each counted packed + decoded while it is decoded:
+                # every round fetches every shard again.
+                shard_cache_max_mb=3 * (max(sizes) // (1 << 20) + args.mb + 1),
                 stage_first_shard=False,  # the first shard is fetched inside the round
             )
             executor = Executor(
@@ -105,6 +106,7 @@ def main() -> int:
                     rounds.append(result.report)
             finally:
                 executor.shutdown()
+            fetched = server.bytes_sent()
     rows = []
     for number, report in enumerate(rounds):
         waits, round_s = report["waits"], report["round_s"]
@@ -125,6 +127,7 @@ def main() -> int:
         "command": " ".join(["python -m bench.shards", *sys.argv[1:]]),
         "shard_packed_bytes": sizes,
         "fetch_and_decode_one_shard_s": fetch_s,
+        "bytes_served_per_round": fetched / args.rounds,
         "rounds": rows,
         "median_waiting_fraction_after_first": fraction,
         "serial_waiting_fraction_after_first": serial,
@@ -145,6 +148,7 @@ def main() -> int:
             f"{row['later_wait_max_s']:>13.4f}{row['later_fraction'] * 100:>9.2f}"
         )
     print(
+        f"served {fetched / args.rounds / 1e6:.0f} MB per round (every shard, every round); "
         f"waiting after the first shard: {fraction * 100:.2f} % of round time (target < 1 %); "
         f"a serial fetch-then-compute loop would wait {serial * 100:.0f} %"
     )
