@@ -13,8 +13,9 @@ PACKAGES=(celery kombu billiard vine amqp click-didyoumean click-plugins click-r
 mkdir -p "$DIR"
 pins=()
 for name in "${PACKAGES[@]}"; do
-  version=$(.venv/bin/python -m pip show "$name" 2>/dev/null | awk '/^Version:/ {print $2}')
-  pins+=("${name}${version:+==$version}")
+  version=$(.venv/bin/python -m pip show "$name" 2>/dev/null | awk '/^Version:/ {print $2}' || true)
+  # Not installed here: not needed on Linux either (tzdata, for one).
+  if [ -n "$version" ]; then pins+=("$name==$version"); fi
 done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

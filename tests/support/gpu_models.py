@@ -105,7 +105,15 @@ def make_cases(root: Path, shards: int = 4) -> dict[str, GpuCase]:
             "model_backend": "huggingface",
             "model_name": "gpt2",
             "hf_task": "causal-lm",
-            "hf_config": {"model_type": "gpt2", "n_layer": 6, "n_embd": 512, "n_head": 8, "vocab_size": 8192},
+            "hf_config": {
+                "model_type": "gpt2",
+                "n_layer": 6,
+                "n_embd": 512,
+                "n_head": 8,
+                "vocab_size": 8192,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+            },
             "train_mode": "all",
         },
     )
