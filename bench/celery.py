@@ -19,25 +19,22 @@ Writes ``bench/results/celery.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from celery.result import AsyncResult
 from safetensors.torch import save_file
 
+from bench.common import save, scratch
 from orchestrator.local import EmbeddedRedis, LocalWorker
 from settings import Settings
 from tasks.client import RoundClient
 from tests.support.engine import make_shards, mlp_state
 from tests.support.http_server import FaultServer
 
-RESULTS = Path(__file__).parent / "results"
 HOST = "bench"
 EVENTS_FROM, SPIN_FROM = 100_000, 200_000  # round numbers select what the code does
 
@@ -170,9 +167,7 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=300)
     parser.add_argument("--stops", type=int, default=10)
     args = parser.parse_args()
-    Path("var").mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir="var") as tmp:
-        base = Path(tmp).resolve()  # redis-server reads its log path after entering --dir
+    with scratch() as base:
         root = base / "srv"
         root.mkdir()
         save_file(mlp_state(), str(root / "model.safetensors"))
@@ -206,8 +201,7 @@ def main() -> int:
         "stop": {path: summary(values) for path, values in stops.items()},
         "raw_s": {"dispatch": dispatch_s, "event": event_s, "stop": stops},
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "celery.json").write_text(json.dumps(record, indent=2))
+    save("celery", record)
     print(f"{'what':<34}{'n':>5}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'target':>16}")
     rows = [("send_task -> tenant code runs", record["dispatch"], "p50 < 20 ms")]
     rows.append(("emit_stats -> subscriber", record["event"], "p50 < 5 ms"))

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +36,7 @@ from pathlib import Path
 
 import requests
 
+from bench.common import add_size_and_runs, save, scratch
 from bench.nginx import Nginx
 from bench.tools import require
 from executor.errors import Stopped
@@ -215,17 +214,10 @@ def abort_latency(url: str, dest: Path, after_s: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mb", type=int, default=2048)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument(
-        "--dir", default=None, help="where to put the files (default: a temp dir under ./var)"
-    )
+    add_size_and_runs(parser, mb=2048, runs=3)
     args = parser.parse_args()
     tools = require("nginx", "curl", "aria2c")
-    root = Path(args.dir or "var")
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        directory = Path(tmp)
+    with scratch(args.dir) as directory:
         served = directory / "www"
         served.mkdir()
         os.chmod(directory, 0o755)
@@ -263,9 +255,7 @@ def main() -> int:
         "abort_latency_s": {"full_speed": fast_abort, "trickling": slow_abort},
     }
     report(record, clean_s)
-    out = Path("bench/results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "download.json").write_text(json.dumps(record, indent=1))
+    save("download", record)
     return 0
 
 

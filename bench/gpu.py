@@ -19,18 +19,17 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import save, scratch
 from executor import Executor
 from settings import Settings
-from tests.support.gpu_models import TENANT_CODE, bare_loop, make_cases
+from tests.support.gpu_models import TENANT_CODE, bare_loop, make_cases, sandbox_mode
 from tests.support.http_server import FaultServer
 
-RESULTS = Path(__file__).parent / "results"
 ROWS = Path(os.environ.get("ROUNDHOUSE_GPU_RESULTS", "var/gpu/results.jsonl"))
 
 
@@ -64,17 +63,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--table", action="store_true", help="print the collected GPU results and exit")
-    parser.add_argument("--sandbox", default="auto", help="ROUNDHOUSE_SANDBOX for the executor (auto|off)")
+    parser.add_argument(
+        "--sandbox", default=None, help="auto|off (default: auto where bwrap or unshare works here, else off)"
+    )
     args = parser.parse_args()
+    mode = args.sandbox or sandbox_mode()
     if args.table:
         return table()
     if not torch.cuda.is_available():
         print("bench.gpu needs a CUDA device")
         return 1
-    Path("var").mkdir(exist_ok=True)
     record: dict[str, dict[str, list[float]]] = {}
-    with tempfile.TemporaryDirectory(dir="var") as tmp:
-        base = Path(tmp)
+    with scratch() as base:
         root = base / "srv"
         root.mkdir()
         cases = make_cases(root)
@@ -82,11 +82,9 @@ def main() -> int:
             work_dir=str(base / "work"),
             cache_dir=str(base / "cache"),
             host_id="bench-gpu",
-            sandbox=args.sandbox,
+            sandbox=mode,
         )
-        executor = Executor(
-            lambda _s: None, lambda _l: None, settings=settings, sandboxed=args.sandbox != "off"
-        )
+        executor = Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=mode != "off")
         try:
             with FaultServer(root) as server:
                 for key, case in cases.items():
@@ -99,7 +97,6 @@ def main() -> int:
         finally:
             executor.shutdown()
     ROWS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.mkdir(exist_ok=True)
     summary = {}
     with ROWS.open("a") as out:
         for key, runs in record.items():
@@ -112,16 +109,13 @@ def main() -> int:
                 "executor": round(ours, 2),
                 "bare": round(bare, 2),
                 "ratio": round(ratio, 3),
+                "sandbox": mode,
             }
             out.write(json.dumps(row) + "\n")
             print(
                 f"{cases[key].name:<24} executor {ours:8.2f} steps/s  bare {bare:8.2f} steps/s  {ratio:.3f}x"
             )
-    (RESULTS / "gpu.json").write_text(
-        json.dumps(
-            {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(0), **summary}, indent=2
-        )
-    )
+    save("gpu", {"date": time.strftime("%Y-%m-%d"), "card": torch.cuda.get_device_name(0), **summary})
     return 0
 
 

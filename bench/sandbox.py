@@ -10,7 +10,6 @@ there, once per session). Writes ``bench/results/sandbox.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from bench.common import save
 from executor import Executor
 from settings import Settings
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
@@ -79,9 +79,7 @@ def main() -> int:
     start = statistics.median(sandbox["load"]) - statistics.median(thread["load"])
     record["startup"] = {"load_in_thread_s": statistics.median(thread["load"]), "runner_start_s": start}
     print(f"runner start-up (load_model sandboxed minus in-thread): {start:.3f}")
-    out = Path("bench/results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sandbox.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **record}, indent=1))
+    save("sandbox", {"date": time.strftime("%Y-%m-%d"), **record})
     return 0
 
 

@@ -18,15 +18,14 @@ shard's fetch and decode alone. Writes ``bench/results/shards.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from safetensors.torch import save_file
 
+from bench.common import save, scratch
 from bench.nginx import Nginx
 from bench.tools import require
 from bench.zstd import make_shard
@@ -34,8 +33,6 @@ from executor import Executor
 from executor.shards import ShardCache, ShardDescriptor
 from settings import Settings
 from tests.support.engine import mlp_state
-
-RESULTS = Path(__file__).parent / "results"
 
 CODE = """
 import time
@@ -67,9 +64,7 @@ def main() -> int:
     parser.add_argument("--in-thread", action="store_true", help="run the code without the sandbox")
     args = parser.parse_args()
     tools = require("nginx")
-    Path("var").mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir="var") as tmp:
-        base = Path(tmp)
+    with scratch() as base:
         root = base / "srv"
         root.mkdir()
         save_file(mlp_state(), str(root / "model.safetensors"))
@@ -132,8 +127,7 @@ def main() -> int:
         "median_waiting_fraction_after_first": fraction,
         "serial_waiting_fraction_after_first": serial,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "shards.json").write_text(json.dumps(record, indent=2))
+    save("shards", record)
     print(
         f"{args.shards} shards of {args.mb} MB ({statistics.mean(sizes) / 1e6:.1f} MB zstd) "
         f"at {args.rate}/s, "

@@ -23,12 +23,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import add_size_and_runs, save, scratch
 from executor.delta import file_state_hash, make_sync_delta, write_delta
 from executor.tensorfile import write_state
 
@@ -112,16 +112,9 @@ def child_apply(mode: str, model: Path, original: Path, delta: Path, base: str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mb", type=int, default=1024)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument(
-        "--dir", default=None, help="where to put the files (default: a temp dir under ./var)"
-    )
+    add_size_and_runs(parser, mb=1024, runs=3)
     args = parser.parse_args()
-    root = Path(args.dir or "var")
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        directory = Path(tmp)
+    with scratch(args.dir) as directory:
         original, delta, base, result = make_model(directory, args.mb)
         model = directory / "work.safetensors"
         size = original.stat().st_size
@@ -155,8 +148,6 @@ def report(
         peak_text = f"{peak:.2f}" if peak is not None else "-"
         print(f"{label:<22}{seconds:>10.3f}{seconds / cp:>8.2f}{size / seconds / 1e6:>9.0f}{peak_text:>18}")
     print(f"state_hash at {medians['sha256'] / medians['state_hash'] * 100:.0f}% of raw sha256 speed")
-    out = Path("bench/results")
-    out.mkdir(parents=True, exist_ok=True)
     record = {
         "date": time.strftime("%Y-%m-%d"),
         "model_bytes": size,
@@ -166,7 +157,7 @@ def report(
         "peak_rss_floor_bytes": floor,
         "cpu_count": os.cpu_count(),
     }
-    (out / "sync_delta.json").write_text(json.dumps(record, indent=1))
+    save("sync_delta", record)
     return 0
 
 

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,10 +29,9 @@ from pathlib import Path
 import torch
 import zstandard
 
+from bench.common import add_size_and_runs, save, scratch
 from bench.tools import require
 from executor.shards import ShardCache, ShardDescriptor
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def make_shard(path: Path, megabytes: int, seed: int = 11) -> tuple[int, int]:
@@ -66,13 +63,10 @@ def timed(action: Callable[[], Callable[[], None]]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mb", type=int, default=512, help="decoded shard size")
-    parser.add_argument("--runs", type=int, default=5)
+    add_size_and_runs(parser, mb=512, runs=5, mb_help="decoded shard size in MiB")
     args = parser.parse_args()
     tools = require("zstd")
-    Path("var").mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir="var") as tmp:
-        base = Path(tmp)
+    with scratch(args.dir) as base:
         packed = base / "shard.pt.zst"
         packed_size, decoded_size = make_shard(packed, args.mb)
         out = base / "cli.out"
@@ -129,8 +123,7 @@ def main() -> int:
         "median_s": medians,
         "decode_speed_vs_cli": ratio,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "zstd.json").write_text(json.dumps(record, indent=2))
+    save("zstd", record)
     print(f"shard: {decoded_size / 1e6:.0f} MB decoded from {packed_size / 1e6:.0f} MB zstd-3")
     print(f"{'what':<36}{'seconds':>9}{'MB/s out':>10}{'x CLI':>7}")
     for name, value in medians.items():

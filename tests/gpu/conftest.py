@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 from orchestrator.local import EmbeddedRedis
 from settings import Settings
 from tasks.client import RoundClient
-from tests.support.gpu_models import GpuCase, make_cases
+from tests.support.gpu_models import GpuCase, make_cases, sandbox_mode
 from tests.support.http_server import FaultServer
 from tests.support.worker import WorkerProcess
 
@@ -32,18 +30,6 @@ needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA device: the GPU checks run on a GPU machine (scripts/gpu_check.sh)",
 )
-
-
-def sandbox_mode() -> str:
-    """``auto`` when bwrap or unshare can build the sandbox here; else ``off`` (recorded)."""
-    probes = [
-        ["bwrap", "--ro-bind", "/", "/", "--unshare-net", "true"],
-        ["unshare", "--net", "--pid", "--fork", "true"],
-    ]
-    for argv in probes:
-        if shutil.which(argv[0]) and subprocess.run(argv, capture_output=True, check=False).returncode == 0:
-            return "auto"
-    return "off"
 
 
 @pytest.fixture(scope="session")

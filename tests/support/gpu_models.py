@@ -5,6 +5,8 @@ bare PyTorch loop of ``bench.gpu`` run, so that the two are timed on the same wo
 from __future__ import annotations
 
 import io
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,18 @@ save_model(model)
 save_report({"steps_per_s": steps_per_s, "loss": last, "device": str(device)})
 """
 )
+
+
+def sandbox_mode() -> str:
+    """``auto`` when bwrap or unshare can build the sandbox here; else ``off`` (recorded)."""
+    probes = [
+        ["bwrap", "--ro-bind", "/", "/", "--unshare-net", "true"],
+        ["unshare", "--net", "--pid", "--fork", "true"],
+    ]
+    for argv in probes:
+        if shutil.which(argv[0]) and subprocess.run(argv, capture_output=True, check=False).returncode == 0:
+            return "auto"
+    return "off"
 
 
 @dataclass(frozen=True)
