@@ -175,6 +175,9 @@ def resume_after_crash(url: str, dest: Path, size: int) -> dict[str, float]:
     child.wait()
     if line.strip() != "half":
         raise RuntimeError("crash child did not reach half-way")
+    if dest.exists():
+        # Progress is reported at intervals: a small file can be whole before the first report.
+        raise RuntimeError("the download finished before it could be killed half-way: use a larger --mb")
     started = time.monotonic()
     result = fetch(url, str(dest))
     return {
