@@ -16,18 +16,17 @@ from typing import TYPE_CHECKING
 
 import requests
 
+from executor.body import SpeedFloor, copy_body
 from executor.errors import DownloadFailed, Stopped
 from executor.httpio import (
     MIB,
     Cancel,
     HaltedError,
     SourceChangedError,
-    SpeedFloor,
     TransientError,
     announced_total,
     check_status,
     content_range,
-    copy_body,
     new_session,
     redact_url,
     request_headers,

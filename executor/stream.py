@@ -22,18 +22,17 @@ from typing import TYPE_CHECKING
 
 import requests
 
+from executor.body import SpeedFloor, copy_body
 from executor.errors import DownloadFailed
 from executor.httpio import (
     MIB,
     RETRYABLE,
     Cancel,
     SourceChangedError,
-    SpeedFloor,
     TransientError,
     announced_total,
     check_status,
     content_range,
-    copy_body,
     redact_url,
     request_headers,
     run_attempts,

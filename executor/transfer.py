@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Protocol
 from urllib.parse import unquote, urlsplit
 
+from executor.body import pwrite_all
 from executor.errors import (
     NO_SPACE_ERRNOS,
     DownloadFailed,
@@ -47,7 +48,6 @@ from executor.httpio import (
     announced_total,
     check_status,
     describe,
-    pwrite_all,
     redact_url,
     request_headers,
     run_attempts,
@@ -82,7 +82,7 @@ class TransferConfig:
     connect_timeout_s: float = 30.0
     read_timeout_s: float = 300.0  # a read stalled longer than this fails the attempt
     # Files are copied and hashed through one reused buffer of this size; network reads take
-    # at most this much per call, into the same kind of buffer (httpio.body_reader).
+    # at most this much per call, into the same kind of buffer (body.body_reader).
     buffer_bytes: int = 4 * MIB
     parallel_min_bytes: int = 64 * MIB
     parallel_connections: int = 8
