@@ -126,6 +126,23 @@ def task_events(client: RoundClient, host: str, since: int, task_id: str) -> lis
     return [e for e in client.events(host, since=since, idle_timeout_s=1) if e.task_id == task_id]
 
 
+def wait_partial(directory: Path, nbytes: int, timeout_s: float = 60) -> None:
+    """Wait until a download under ``directory`` has ``nbytes`` in its partial file: a stalled
+    server has *sent* them when it stalls, but a kill before they are *written* would leave
+    nothing to resume."""
+
+    def size(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except OSError:  # renamed or removed between the listing and the stat
+            return 0
+
+    deadline = time.monotonic() + timeout_s
+    while not any(size(p) >= nbytes for p in directory.rglob("*.partial")):
+        assert time.monotonic() < deadline, f"no partial file of {nbytes} bytes under {directory}"
+        time.sleep(0.01)
+
+
 def session_dir(worker: WorkerProcess) -> Path:
     return worker.directory / "work" / worker.host_id / "session"
 
@@ -136,6 +153,7 @@ def test_child_killed_mid_download_retries_and_resumes(world) -> None:  # type: 
     stalls = server.stalls_entered
     pending = client.load_model("f1", server.url("model.safetensors", "X-Signature=s"), world["shards"], CODE)
     assert server.wait_for_stalls(stalls + 1, timeout_s=60)
+    wait_partial(f1.directory, 300)
     kill_child(f1)
     server.release_stalls()
     loaded = pending.get(timeout=180)  # run again on the replacement child
@@ -233,11 +251,7 @@ def test_whole_worker_killed_and_restarted_reuses_its_cache_and_resumes(world) -
         stalls = server.stalls_entered
         client.run_round("f2", steps=1, round_num=9)
         assert server.wait_for_stalls(stalls + 1, timeout_s=60)
-        # The server has sent its 20 000 bytes; kill once the worker has put them on disk.
-        deadline = time.monotonic() + 60
-        while not any(p.stat().st_size >= 20_000 for p in directory.rglob("*.partial")):
-            assert time.monotonic() < deadline, "the stalled download never reached the disk"
-            time.sleep(0.01)
+        wait_partial(directory, 20_000)
         os.killpg(f2.main_pid, signal.SIGKILL)  # MainProcess, child, sandbox: everything at once
         f2.process.wait(timeout=30)
         server.release_stalls()
