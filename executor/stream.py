@@ -24,6 +24,7 @@ import requests
 
 from executor.body import SpeedFloor, copy_body
 from executor.errors import DownloadFailed
+from executor.follower import HashFollower
 from executor.httpio import (
     MIB,
     RETRYABLE,
@@ -55,9 +56,17 @@ PROBE_BYTES = 16 * MIB
 
 
 def download(
-    url: str, dest: str, config: TransferConfig, cancel: Cancel, meter: ProgressMeter, size: int | None
-) -> tuple[int, int]:
-    """Fill the partial file; returns ``(resumed_bytes, connections)``."""
+    url: str,
+    dest: str,
+    config: TransferConfig,
+    cancel: Cancel,
+    meter: ProgressMeter,
+    size: int | None,
+    hashed: bool = False,
+) -> tuple[int, int, str | None]:
+    """Fill the partial file; returns ``(resumed_bytes, connections, sha256)``. With ``hashed``,
+    a one-stream download is hashed as it is written (the sha256); otherwise, and after a
+    split into ranged segments, the sha256 is None and the caller hashes the file."""
     partial, sidecar_path = partial_paths(dest)
     for restarted in (False, True):
         sidecar = resumable(url, partial, sidecar_path, size)
@@ -73,8 +82,8 @@ def download(
                     abort=cancel.abort,
                     meter=meter,
                 )
-                return resumed_bytes, ranged.run()
-            return _Stream(url, dest, sidecar, config, cancel, meter, size).run()
+                return resumed_bytes, ranged.run(), None
+            return _Stream(url, dest, sidecar, config, cancel, meter, size, hashed).run()
         except SourceChangedError:
             discard(partial, sidecar_path)
             if restarted:
@@ -108,8 +117,11 @@ class _Stream:
         cancel: Cancel,
         meter: ProgressMeter,
         size: int | None,
+        hashed: bool = False,
     ) -> None:
         self.url = url
+        self.hashed = hashed
+        self.follower: HashFollower | None = None
         self.partial, self.sidecar_path = partial_paths(dest)
         self.sidecar = sidecar
         self.config = config
@@ -120,18 +132,25 @@ class _Stream:
         self.buffer = memoryview(bytearray(config.buffer_bytes))
         self.resumed_bytes: int | None = None
 
-    def run(self) -> tuple[int, int]:
+    def run(self) -> tuple[int, int, str | None]:
         flags = os.O_RDWR | os.O_CREAT | (0 if self.sidecar else os.O_TRUNC)
         fd = os.open(self.partial, flags, 0o644)
+        if self.hashed:
+            self.follower = HashFollower(self.partial)
         try:
             with tracking(self.cancel.registry):
                 handover = run_attempts(
                     lambda attempt: self._attempt(fd), url=self.url, config=self.config, cancel=self.cancel
                 )
+            digest = None
+            if handover is None and self.follower is not None:
+                digest = self.follower.result(os.fstat(fd).st_size, self.cancel)
         finally:
             os.close(fd)
+            if self.follower is not None:
+                self.follower.close()
         if handover is None:
-            return self.resumed_bytes or 0, 1
+            return self.resumed_bytes or 0, 1, digest
         ranged = RangedDownload(
             url=self.url,
             partial=self.partial,
@@ -141,7 +160,7 @@ class _Stream:
             abort=self.cancel.abort,
             meter=self.meter,
         )
-        return 0, ranged.run(first=handover.response, first_offset=handover.consumed)
+        return 0, ranged.run(first=handover.response, first_offset=handover.consumed), None
 
     def _attempt(self, fd: int) -> _Handover | None:
         pos = os.fstat(fd).st_size if self.sidecar else 0
@@ -171,12 +190,14 @@ class _Stream:
                 raise TransientError(f"asked for bytes from {pos}, got Content-Range {parsed}")
             if self.sidecar is None or not self.sidecar.same_source(response, total):
                 raise SourceChangedError()
+            self._mark(pos)
         else:
             if pos:
                 # The server ignored Range (or the file changed): its body starts at byte 0.
                 logger.info("%s: server answered a resume with 200; restarting", redact_url(self.url))
                 os.ftruncate(fd, 0)
                 pos = 0
+            self._mark(0)
             if self.size is not None and total is not None and total != self.size:
                 raise TransientError(f"server announces {total} bytes, expected {self.size}")
             fresh = self.sidecar is None
@@ -185,6 +206,9 @@ class _Stream:
                 self.sidecar.save(self.sidecar_path)  # a crash mid-probe resumes as one stream
                 pos, split = self._probe(fd, response, plan, floor)
                 if split:
+                    if self.follower is not None:
+                        self.follower.close()  # segments land out of order: hashed afterwards
+                        self.follower = None
                     plan[0][2] = pos
                     self.sidecar.segments = plan
                     return _Handover(response, self.sidecar, pos)
@@ -202,13 +226,23 @@ class _Stream:
             body_offset=pos,
             buffer=self.buffer,
             cancel=self.cancel,
-            on_written=self.meter.add,
+            on_written=self._written,
             floor=floor,
         )
         if expected is not None and pos == expected and total is None and response.raw.read1(1):
             pos += 1  # a body without Content-Length that runs past the declared size
         self._check_length(fd, pos, total)
         return None
+
+    def _mark(self, pos: int) -> None:
+        """The first ``pos`` bytes of the partial file are final (from this source)."""
+        if self.follower is not None:
+            self.follower.mark(pos)
+
+    def _written(self, count: int) -> None:
+        self.meter.add(count)
+        if self.follower is not None:
+            self.follower.add(count)
 
     def _check_length(self, fd: int, pos: int, total: int | None) -> None:
         expected = total if total is not None else self.size
@@ -234,6 +268,7 @@ class _Stream:
         ):
             if self.resumed_bytes is None:
                 self.resumed_bytes = pos
+            self._mark(pos)
             return
         raise SourceChangedError()
 
@@ -269,7 +304,7 @@ class _Stream:
             body_offset=0,
             buffer=self.buffer,
             cancel=self.cancel,
-            on_written=self.meter.add,
+            on_written=self._written,
             floor=floor,
         )
         if got < end:

@@ -166,7 +166,9 @@ def fetch(
                 resumed_bytes, connections = 0, 0
                 digest = _copy_local(location, dest, config, cancel, meter, hashed=sha256 is not None)
             else:
-                resumed_bytes, connections = download(url, dest, config, cancel, meter, size)
+                resumed_bytes, connections, digest = download(
+                    url, dest, config, cancel, meter, size, hashed=sha256 is not None
+                )
             total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
     except OSError as exc:
         if exc.errno not in NO_SPACE_ERRNOS:

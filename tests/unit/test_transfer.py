@@ -265,6 +265,55 @@ def test_sha256_mismatch_removes_everything(server: FaultServer, blob: tuple[str
     _no_leftovers(out / "f")
 
 
+@pytest.mark.parametrize("fault", [None, "reset", "ignore_range"])
+def test_one_stream_sha256_is_computed_while_the_file_is_written(
+    server: FaultServer, blob: tuple[str, str], out: Path, monkeypatch: pytest.MonkeyPatch, fault: str | None
+) -> None:
+    # No second pass over the finished file: the hash follows the writer (executor.follower),
+    # also across a Range resume and across a restart from zero (a server ignoring Range).
+    import executor.transfer as transfer_module
+
+    def second_pass(*_args: object, **_kwargs: object) -> str:
+        raise AssertionError("the file was hashed again after the download")
+
+    monkeypatch.setattr(transfer_module, "_hash_file", second_pass)
+    relpath, digest = blob
+    if fault is not None:
+        server.add_fault(relpath, "reset", after_bytes=MIB, delay_s=0.2)
+    if fault == "ignore_range":
+        server.add_fault(relpath, "ignore_range")
+    result = fetch(server.url(relpath), str(out / "f"), config=FAST, sha256=digest)
+    assert result.sha256 == digest and _sha256(out / "f") == digest
+    assert len(server.requests) == (1 if fault is None else 2)
+
+
+def test_hash_follower_sees_a_truncated_and_rewritten_file(tmp_path: Path) -> None:
+    from executor.follower import HashFollower
+    from executor.httpio import Cancel
+
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    old, new = os.urandom(3 * MIB), os.urandom(2 * MIB)
+    follower = HashFollower(str(path))
+    try:
+        with open(path, "r+b") as file:
+            file.write(old)
+            file.flush()
+            follower.add(len(old))
+            time.sleep(0.05)
+            file.truncate(0)
+            follower.mark(0)
+            file.seek(0)
+            file.write(new)
+            file.flush()
+            follower.add(len(new))
+        with Cancel(None, "test") as cancel:
+            assert follower.result(len(new), cancel) == hashlib.sha256(new).hexdigest()
+            assert follower.result(len(new) + 1, cancel) is None  # not every byte was seen
+    finally:
+        follower.close()
+
+
 def test_size_mismatch_fails(server: FaultServer, blob: tuple[str, str], out: Path) -> None:
     relpath, _ = blob
     with pytest.raises(DownloadFailed):
