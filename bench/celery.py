@@ -23,17 +23,16 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
 
-from celery.result import AsyncResult
 from safetensors.torch import save_file
 
 from bench.common import save, scratch
 from orchestrator.local import EmbeddedRedis, LocalWorker
 from settings import Settings
 from tasks.client import RoundClient
-from tests.support.engine import make_shards, mlp_state
+from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
+from tests.support.rounds import STOP_PATHS, event_seq, stop_task, stored_result, wait_for_log
 
 HOST = "bench"
 EVENTS_FROM, SPIN_FROM = 100_000, 200_000  # round numbers select what the code does
@@ -52,6 +51,12 @@ if round_num >= {EVENTS_FROM}:
 save_report({{"started": started}})
 """
 SOFT_LIMIT_S = 1.0
+LABELS = {
+    "revoke": "revoke",
+    "terminate": "revoke terminate",
+    "client": "RoundClient.stop",
+    "soft time limit": "soft time limit",
+}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -68,21 +73,6 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def stored(pending: AsyncResult, timeout_s: float = 60) -> tuple[dict[str, Any], float]:
-    """The stored SUCCESS result and when it was first seen (past a transient REVOKED)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        meta = pending.backend.get_task_meta(pending.id, cache=False)
-        if meta["status"] == "SUCCESS":
-            return dict(meta["result"]), time.time()
-        time.sleep(0.005)
-    raise TimeoutError(f"no result for {pending.id}")
-
-
-def seq(client: RoundClient) -> int:
-    return int(client.redis.get(f"roundhouse:events:{HOST}:seq") or 0)
-
-
 def dispatch(client: RoundClient, rounds: int) -> list[float]:
     latencies = []
     for number in range(rounds):
@@ -96,7 +86,7 @@ def dispatch(client: RoundClient, rounds: int) -> list[float]:
 def events(client: RoundClient, count: int) -> list[float]:
     latencies: list[float] = []
     ready = threading.Event()
-    since = seq(client)
+    since = event_seq(client, HOST)
 
     def listen() -> None:
         stream = client.events(HOST, since=since, idle_timeout_s=15)
@@ -118,15 +108,8 @@ def events(client: RoundClient, count: int) -> list[float]:
     return latencies
 
 
-def wait_spinning(client: RoundClient, since: int) -> None:
-    for event in client.events(HOST, since=since, idle_timeout_s=60):
-        if event.type == "log" and "spinning" in event.data.get("text", ""):
-            return
-    raise TimeoutError("the round never started spinning")
-
-
 def stop_once(client: RoundClient, path: str, number: int) -> float:
-    since = seq(client)
+    since = event_seq(client, HOST)
     if path == "soft time limit":
         pending = client.app.send_task(
             "roundhouse.run_round",
@@ -136,20 +119,16 @@ def stop_once(client: RoundClient, path: str, number: int) -> float:
         )
     else:
         pending = client.run_round(HOST, steps=1, round_num=SPIN_FROM + number)
-    wait_spinning(client, since)
+    wait_for_log(client, HOST, since, "spinning")
     if path == "soft time limit":
         # The limit runs from the task's start; its start is the task-started state event.
         started = task_started_at(client, since, pending.id)
         asked = started + SOFT_LIMIT_S
     else:
         asked = time.time()
-        if path == "revoke":
-            client.app.control.revoke(pending.id)
-        elif path == "revoke terminate":
-            client.app.control.revoke(pending.id, terminate=True, signal="SIGUSR2")
-        else:
-            client.stop(pending.id, host=HOST)
-    result, seen = stored(pending)
+        stop_task(client, path, pending.id, HOST)
+    result = stored_result(pending, poll_s=0.005)
+    seen = time.time()
     assert result["status"] == "stopped", result
     return seen - asked
 
@@ -177,10 +156,7 @@ def main() -> int:
         try:
             worker.start()
             with FaultServer(root) as server:
-                shards = [
-                    {"url": server.url(s["name"]), "compression": "zstd", "size_bytes": s["size_bytes"]}
-                    for s in raw
-                ]
+                shards = shard_descriptors(server, raw)
                 client = RoundClient(Settings(broker_url=redis_server.url, host_id="bench-client"))
                 client.load_model(HOST, server.url("model.safetensors"), shards, CODE).get(timeout=120)
                 client.run_round(HOST, steps=1, round_num=0).get(timeout=60)  # warm
@@ -188,7 +164,7 @@ def main() -> int:
                 event_s = events(client, args.events)
                 stops = {
                     path: [stop_once(client, path, n) for n in range(args.stops)]
-                    for path in ("revoke", "revoke terminate", "RoundClient.stop", "soft time limit")
+                    for path in (*STOP_PATHS, "soft time limit")
                 }
         finally:
             worker.stop()
@@ -205,7 +181,7 @@ def main() -> int:
     print(f"{'what':<34}{'n':>5}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'target':>16}")
     rows = [("send_task -> tenant code runs", record["dispatch"], "p50 < 20 ms")]
     rows.append(("emit_stats -> subscriber", record["event"], "p50 < 5 ms"))
-    rows += [(f"stop: {path}", stats, "p99 < 1000 ms") for path, stats in record["stop"].items()]
+    rows += [(f"stop: {LABELS[path]}", stats, "p99 < 1000 ms") for path, stats in record["stop"].items()]
     for name, stats, target in rows:
         print(
             f"{name:<34}{stats['n']:>5}{stats['p50_ms']:>9.1f}{stats['p99_ms']:>9.1f}{stats['max_ms']:>9.1f}"

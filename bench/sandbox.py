@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from bench.common import save
 from executor import Executor
 from settings import Settings
-from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
+from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 
 CASES = {"trivial": "pass", "train": TRAIN_CODE}
@@ -62,10 +62,7 @@ def main() -> int:
         save_file(mlp_state(), str(root / "model.safetensors"))
         raw = make_shards(root)
         with FaultServer(root) as server:
-            shards = [
-                {"url": server.url(s["name"]), "compression": "zstd", "size_bytes": s["size_bytes"]}
-                for s in raw
-            ]
+            shards = shard_descriptors(server, raw)
             url = server.url("model.safetensors")
             thread = measure(False, base, url, shards, args.rounds)
             sandbox = measure(True, base, url, shards, args.rounds)

@@ -48,6 +48,53 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | str | None:
     return (start, end) if start < size else "unsatisfiable"
 
 
+def reply(
+    handler: BaseHTTPRequestHandler, code: int, body: bytes = b"", headers: dict[str, str] | None = None
+) -> None:
+    """A whole small response (a status page, an error)."""
+    handler.send_response(code)
+    for name, value in (headers or {}).items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if body and handler.command != "HEAD":
+        handler.wfile.write(body)
+
+
+def send_file_head(
+    handler: BaseHTTPRequestHandler,
+    st: os.stat_result,
+    *,
+    ignore_range: bool = False,
+    length: int | None = None,
+) -> tuple[int, int] | None:
+    """Answer a GET/HEAD of a file the way an object store does: a single ``Range`` (honoured
+    only while ``If-Range`` still names this version of the file) gets 206, none gets 200, an
+    unsatisfiable one 416. Sends the status and headers; returns the body's ``(start, end)``,
+    or None when the reply is complete. ``ignore_range`` and ``length`` (a Content-Length
+    other than the body's) let a test server misbehave."""
+    etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
+    modified = email.utils.formatdate(st.st_mtime, usegmt=True)
+    wanted = parse_range(handler.headers.get("Range"), st.st_size)
+    if_range = handler.headers.get("If-Range")
+    if ignore_range or (if_range and if_range not in (etag, modified)):
+        wanted = None  # the file changed since the client's partial copy: send it whole
+    if wanted == "unsatisfiable":
+        reply(handler, 416, b"", {"Content-Range": f"bytes */{st.st_size}", "Accept-Ranges": "bytes"})
+        return None
+    start, end = wanted if isinstance(wanted, tuple) else (0, st.st_size)
+    handler.send_response(206 if isinstance(wanted, tuple) else 200)
+    handler.send_header("Content-Type", "application/octet-stream")
+    handler.send_header("Content-Length", str(end - start if length is None else length))
+    handler.send_header("Accept-Ranges", "bytes")
+    handler.send_header("ETag", etag)
+    handler.send_header("Last-Modified", modified)
+    if isinstance(wanted, tuple):
+        handler.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
+    handler.end_headers()
+    return start, end
+
+
 def signature(secret: bytes, method: str, path: str, expires: int) -> str:
     return hmac.new(secret, f"{method}\n{path}\n{expires}".encode(), hashlib.sha256).hexdigest()
 
@@ -164,13 +211,7 @@ class _Handler(BaseHTTPRequestHandler):
         return path
 
     def _reply(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-        self.send_response(code)
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if body and self.command != "HEAD":
-            self.wfile.write(body)
+        reply(self, code, body, headers)
 
     def do_GET(self) -> None:
         self._get(head=False)
@@ -186,27 +227,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, b"not found\n")
             return
         with open(path, "rb") as file:
-            st = os.fstat(file.fileno())
-            etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
-            modified = email.utils.formatdate(st.st_mtime, usegmt=True)
-            wanted = parse_range(self.headers.get("Range"), st.st_size)
-            if_range = self.headers.get("If-Range")
-            if if_range and if_range not in (etag, modified):
-                wanted = None  # the file changed since the client's partial copy: send it whole
-            if wanted == "unsatisfiable":
-                self._reply(416, b"", {"Content-Range": f"bytes */{st.st_size}", "Accept-Ranges": "bytes"})
+            span = send_file_head(self, os.fstat(file.fileno()))
+            if span is None:
                 return
-            start, end = wanted if isinstance(wanted, tuple) else (0, st.st_size)
-            self.send_response(206 if isinstance(wanted, tuple) else 200)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(end - start))
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("ETag", etag)
-            self.send_header("Last-Modified", modified)
-            if isinstance(wanted, tuple):
-                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
-            self.end_headers()
-            offset = start
+            offset, end = span
             while not head and offset < end:
                 offset += self.connection.sendfile(file, offset, min(CHUNK_BYTES, end - offset))
 

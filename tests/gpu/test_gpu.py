@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from tests.gpu.conftest import HOST, needs_cuda, shards_of, used_bytes, wait_for
 from tests.support.engine import make_shards, mlp_state
 from tests.support.gpu_models import TENANT_CODE
+from tests.support.rounds import event_seq
 
 pytestmark = [needs_cuda, pytest.mark.timeout(600)]
 
@@ -128,7 +129,7 @@ def test_a_real_cuda_oom_is_a_gpu_oom_result_and_the_worker_stays_ready(
 
 def test_stop_while_the_gpu_is_busy(probes: dict[str, Any], record: Callable[..., None]) -> None:
     client = probes["client"]
-    since = int(client.redis.get(f"roundhouse:events:{HOST}:seq") or 0)
+    since = event_seq(client, HOST)
     pending = client.run_round(HOST, steps=1, round_num=3)
     for event in client.events(HOST, since=since, idle_timeout_s=120):
         if event.type == "log" and "gpu busy" in event.data.get("text", ""):
@@ -146,7 +147,7 @@ def test_stop_while_the_gpu_is_busy(probes: dict[str, Any], record: Callable[...
 
 def test_place_model_offloads_when_vram_is_short(probes: dict[str, Any], record: Callable[..., None]) -> None:
     client = probes["client"]
-    since = int(client.redis.get(f"roundhouse:events:{HOST}:seq") or 0)
+    since = event_seq(client, HOST)
     result = round_of(probes, 5)
     assert result["status"] == "completed", result
     report = result["report"]

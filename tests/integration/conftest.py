@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from settings import Settings
-from tests.support.engine import make_shards, mlp_state
+from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 
 
@@ -27,12 +27,5 @@ def env(tmp_path: Path):
         host_id="test-host",
     )
     with FaultServer(root) as server:
-        descriptors = [
-            {
-                "url": server.url(d["name"], "X-Amz-Signature=secret"),
-                "compression": "zstd",
-                "size_bytes": d["size_bytes"],
-            }
-            for d in shards
-        ]
+        descriptors = shard_descriptors(server, shards, "X-Amz-Signature=secret")
         yield server, root, settings, descriptors

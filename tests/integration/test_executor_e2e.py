@@ -16,7 +16,7 @@ from executor.delta import file_state_hash, make_sync_delta, read_delta, state_h
 from executor.errors import BadArtifact, ScriptRejected
 from executor.results import ApplyVia, ExecutorState, RoundStatus
 from settings import Settings
-from tests.support.engine import TRAIN_CODE, mlp_state
+from tests.support.engine import TRAIN_CODE, mlp_state, tiny_vit
 
 
 def new_executor(settings: Settings, sink: dict) -> Executor:
@@ -309,21 +309,8 @@ def test_reset_wipes_work_dir_and_tenant_cache(env, tmp_path: Path) -> None:
 
 
 def test_hf_bundle_with_preprocessing_trains_and_syncs(env, tmp_path: Path) -> None:
-    from transformers import AutoConfig, AutoModelForImageClassification
-
     server, root, settings, _ = env
-    config = AutoConfig.for_model(
-        "vit",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=37,
-        image_size=16,
-        patch_size=8,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForImageClassification.from_config(config)
+    model = tiny_vit(image_size=16)
     bundle = tmp_path / "bundle"
     model.save_pretrained(bundle, max_shard_size="20KB")
     (bundle / "preprocessor_config.json").write_text(

@@ -24,9 +24,10 @@ from orchestrator.artifacts import ArtifactServer
 from settings import Settings
 from tasks.client import RoundClient
 from tasks.events import stream_name
-from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
+from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer
+from tests.support.rounds import event_seq, wait_for_log
 from tests.support.worker import WorkerProcess
 
 pytestmark = pytest.mark.timeout(400)
@@ -78,14 +79,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     shards = make_shards(root)
     f1 = WorkerProcess("f1", redis_server.url, tmp_path_factory.mktemp("f1"), env=WORKER_ENV).start()
     with FaultServer(root) as server:
-        descriptors = [
-            {
-                "url": server.url(s["name"], "X-Signature=secret"),
-                "compression": "zstd",
-                "size_bytes": s["size_bytes"],
-            }
-            for s in shards
-        ]
+        descriptors = shard_descriptors(server, shards, "X-Signature=secret")
         client = RoundClient(Settings(broker_url=redis_server.url, host_id="fault-client"))
         yield {
             "redis": redis_server, "server": server, "root": root, "shards": descriptors, "f1": f1,
@@ -113,17 +107,6 @@ def kill_child(worker: WorkerProcess, pid: int | None = None) -> int:
             pass
         time.sleep(0.2)
     raise AssertionError("no replacement child")
-
-
-def wait_log(client: RoundClient, host: str, since: int, text: str) -> None:
-    for event in client.events(host, since=since, idle_timeout_s=60):
-        if event.type == "log" and text in event.data.get("text", ""):
-            return
-    raise AssertionError(f"no {text!r}")
-
-
-def seq(client: RoundClient, host: str) -> int:
-    return int(client.redis.get(f"roundhouse:events:{host}:seq") or 0)
 
 
 def task_events(client: RoundClient, host: str, since: int, task_id: str) -> list:
@@ -172,9 +155,9 @@ def test_child_killed_mid_training_rehydrates_and_runs_the_round_once_more(world
     server, client, f1 = world["server"], world["client"], world["f1"]
     client.load_model("f1", server.url("model.safetensors"), world["shards"], CODE).get(timeout=120)
     model_gets = gets(server, "model.safetensors")
-    since = seq(client, "f1")
+    since = event_seq(client, "f1")
     pending = client.run_round("f1", steps=1, round_num=5)
-    wait_log(client, "f1", since, "long round started")
+    wait_for_log(client, "f1", since, "long round started")
     kill_child(f1)
     result = pending.get(timeout=180)
     assert result["status"] == "completed" and result["report"] == {"round": 5}
@@ -274,7 +257,7 @@ def test_whole_worker_killed_and_restarted_reuses_its_cache_and_resumes(world) -
 def test_redis_down_at_the_end_of_a_round_loses_nothing_and_runs_nothing_twice(world) -> None:  # type: ignore[no-untyped-def]
     server, client, redis_server = world["server"], world["client"], world["redis"]
     client.load_model("f1", server.url("model.safetensors"), world["shards"], CODE).get(timeout=120)
-    since = seq(client, "f1")
+    since = event_seq(client, "f1")
     pending = client.run_round("f1", steps=8, round_num=7)  # about 2 s of work
     time.sleep(1.0)
     redis_server.kill()
@@ -351,7 +334,7 @@ def test_an_expired_presigned_url_is_a_clear_failure_without_the_token(world, tm
         code = "get_shard(2)"
         client.load_model("f1", model_url, published, code, initial_shard_index=0).get(timeout=120)
         time.sleep(4)  # every shard URL has expired now
-        since = seq(client, "f1")
+        since = event_seq(client, "f1")
         pending = client.run_round("f1", steps=1)
         result = pending.get(timeout=120)
     error = result["error"]
@@ -372,7 +355,7 @@ def test_many_small_tasks_across_two_workers_none_lost_none_twice(world) -> None
         hosts = ("f1", "f3")
         for host in hosts:
             client.load_model(host, server.url("model.safetensors"), world["shards"], "pass").get(timeout=120)
-        since = {host: seq(client, host) for host in hosts}
+        since = {host: event_seq(client, host) for host in hosts}
         pending = [client.run_round(hosts[i % 2], steps=1, mode="inference") for i in range(1000)]
         rss: dict[str, list[int]] = {host: [] for host in hosts}
         for index, result in enumerate(pending):
@@ -422,7 +405,7 @@ def test_a_round_longer_than_the_visibility_timeout_is_not_run_twice(world) -> N
     f4 = WorkerProcess("f4", redis_server.url, world["tmp"].mktemp("f4"), env=env).start()
     try:
         client.load_model("f4", server.url("model.safetensors"), world["shards"], CODE).get(timeout=120)
-        since = seq(client, "f4")
+        since = event_seq(client, "f4")
         pending = client.run_round("f4", steps=24, round_num=7)  # ~6 s, three visibility timeouts
         assert pending.get(timeout=120)["status"] == "completed"
         time.sleep(12)  # kombu restores unacked messages past the timeout: let it, then count

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from settings import Settings
 from tasks.client import RoundClient
-from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
+from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import free_port
 from tests.support.worker import REPO
@@ -65,10 +65,7 @@ def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
         client = RoundClient(Settings(broker_url=broker, host_id="procfile-client"))
         wait_for(lambda: client.heartbeat("procfile") is not None, 120, "no worker heartbeat")
         with FaultServer(root) as server:
-            descriptors = [
-                {"url": server.url(s["name"]), "compression": "zstd", "size_bytes": s["size_bytes"]}
-                for s in shards
-            ]
+            descriptors = shard_descriptors(server, shards)
             client.load_model("procfile", server.url("model.safetensors"), descriptors, TRAIN_CODE).get(
                 timeout=60
             )

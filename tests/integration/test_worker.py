@@ -21,9 +21,10 @@ from safetensors.torch import save_file
 from executor.delta import make_sync_delta, read_delta, state_hash, write_delta
 from settings import Settings
 from tasks.client import RoundClient
-from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
+from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer, free_port
+from tests.support.rounds import STOP_PATHS, event_seq, stop_task, stored_result, wait_for_log
 from tests.support.worker import REPO, WorkerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,10 +53,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory):
     save_file(mlp_state(), str(root / "model.safetensors"))
     shards = make_shards(root)
     with FaultServer(root) as server:
-        descriptors = [
-            {"url": server.url(s["name"], "sig=abc"), "compression": "zstd", "size_bytes": s["size_bytes"]}
-            for s in shards
-        ]
+        descriptors = shard_descriptors(server, shards, "sig=abc")
         yield server, root, descriptors
 
 
@@ -185,7 +183,7 @@ def test_events_arrive_in_order_without_gaps_and_replay(worker, artifacts, clien
     started = threading.Event()
 
     def listen() -> None:
-        stream = client.events("w1", since=client_seq(client), idle_timeout_s=8)
+        stream = client.events("w1", since=event_seq(client, "w1"), idle_timeout_s=8)
         started.set()
         for event in stream:
             live.append(event)
@@ -213,14 +211,6 @@ def test_events_arrive_in_order_without_gaps_and_replay(worker, artifacts, clien
     assert [e.to_json() for e in replayed] == [e.to_json() for e in live]
 
 
-def client_seq(client: RoundClient, host: str = "w1") -> int:
-    raw = client.redis.get(f"roundhouse:events:{host}:seq")
-    return int(raw or 0)
-
-
-STOP_PATHS = ("revoke", "terminate", "client")
-
-
 @pytest.mark.parametrize("scenario", ["loop", "download"])
 @pytest.mark.parametrize("path", STOP_PATHS)
 def test_each_stop_path_stops_a_round_and_the_child_lives_on(  # type: ignore[no-untyped-def]
@@ -233,20 +223,15 @@ def test_each_stop_path_stops_a_round_and_the_child_lives_on(  # type: ignore[no
     client.load_model("w1", server.url("model.safetensors"), shards, code).get(timeout=60)
     pid = worker.child_pid()
     model_gets = count_gets(server, "model.safetensors")
-    since = client_seq(client)
+    since = event_seq(client, "w1")
     stalls = server.stalls_entered
     pending = client.run_round("w1", steps=1, round_num=0)
-    wait_for_log(client, since, "round zero started")
+    wait_for_log(client, "w1", since, "round zero started")
     if scenario == "download":
         assert server.wait_for_stalls(stalls + 1, timeout_s=30)
     started = time.monotonic()
-    if path == "revoke":
-        client.app.control.revoke(pending.id)
-    elif path == "terminate":
-        client.app.control.revoke(pending.id, terminate=True, signal="SIGUSR2")
-    else:
-        client.stop(pending.id)
-    result = final_result(pending)
+    stop_task(client, path, pending.id, "w1")
+    result = stored_result(pending)
     latency = time.monotonic() - started
     server.release_stalls()
     print(f"stop via {path} of a {scenario}: {latency * 1000:.0f} ms")
@@ -255,28 +240,6 @@ def test_each_stop_path_stops_a_round_and_the_child_lives_on(  # type: ignore[no
     after = client.run_round("w1", steps=1, round_num=1).get(timeout=60)
     assert after["status"] == "completed" and after["report"] == {"round": 1}
     assert count_gets(server, "model.safetensors") == model_gets, "the next round reloaded the model"
-
-
-def wait_for_log(client: RoundClient, since: int, text: str, timeout_s: float = 60, host: str = "w1") -> None:
-    deadline = time.monotonic() + timeout_s
-    for event in client.events(host, since=since, idle_timeout_s=timeout_s):
-        if event.type == "log" and text in event.data.get("text", ""):
-            return
-        if time.monotonic() > deadline:
-            break
-    raise AssertionError(f"no log {text!r}")
-
-
-def final_result(pending, timeout_s: float = 60) -> dict:  # type: ignore[no-untyped-def]
-    """The stored result, waiting past a transient REVOKED (terminate marks it at once)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pending.forget() if False else None
-        meta = pending.backend.get_task_meta(pending.id, cache=False)
-        if meta["status"] == "SUCCESS":
-            return dict(meta["result"])
-        time.sleep(0.1)
-    raise AssertionError(f"no result: {pending.backend.get_task_meta(pending.id, cache=False)}")
 
 
 def test_soft_time_limit_is_a_stop(worker, artifacts, client) -> None:  # type: ignore[no-untyped-def]
@@ -330,13 +293,13 @@ def test_redis_restart_mid_round(worker, artifacts, client, redis_server) -> Non
         "save_report({'done': steps})\n"
     )
     client.load_model("w1", server.url("model.safetensors"), descriptors, code).get(timeout=60)
-    since = client_seq(client)
+    since = event_seq(client, "w1")
     pending = client.run_round("w1", steps=24, round_num=7)
     time.sleep(2.0)
     redis_server.kill()
     time.sleep(2.0)
     redis_server.start()
-    result = final_result(pending, timeout_s=120)
+    result = stored_result(pending, timeout_s=120)
     assert result["status"] == "completed" and result["report"] == {"done": 24}
     events = [e for e in client.events("w1", since=since, idle_timeout_s=3) if e.task_id == pending.id]
     steps = [e.data["step"] for e in events if e.type == "stats"]
@@ -396,11 +359,11 @@ def test_a_real_crash_after_a_survived_terminate_is_a_failure(  # type: ignore[n
         "    os.kill(os.getpid(), 9)\n"
     )
     client.load_model("w3", server.url("model.safetensors"), descriptors, code).get(timeout=60)
-    since = client_seq(client, "w3")
+    since = event_seq(client, "w3")
     pending = client.run_round("w3", steps=1, round_num=0)
-    wait_for_log(client, since, "round zero started", host="w3")
+    wait_for_log(client, "w3", since, "round zero started")
     client.app.control.revoke(pending.id, terminate=True, signal="SIGUSR2")
-    assert final_result(pending)["status"] == "stopped"
+    assert stored_result(pending)["status"] == "stopped"
     crash = client.run_round("w3", steps=1, round_num=9)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

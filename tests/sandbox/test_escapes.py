@@ -25,7 +25,7 @@ from executor.delta import read_delta
 from executor.results import RoundStatus
 from executor.sandbox import bwrap_works
 from settings import Settings
-from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
+from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer
 
@@ -63,10 +63,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         download_backoff_s=0.01,
     )
     with FaultServer(root) as server:
-        descriptors = [
-            {"url": server.url(s["name"]), "compression": "zstd", "size_bytes": s["size_bytes"]}
-            for s in shards
-        ]
+        descriptors = shard_descriptors(server, shards)
         executor = Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=True)
         executor.load(server.url("model.safetensors"), descriptors, DISPATCH, params={"attack": "pass"})
         yield SimpleNamespace(

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import zstandard
+
+if TYPE_CHECKING:
+    from tests.support.http_server import FaultServer
 
 TRAIN_CODE = """
 import torch.nn.functional as F
@@ -48,3 +52,29 @@ def make_shards(root: Path, count: int = 3) -> list[dict]:
         (root / f"shard{i}.pt.zst").write_bytes(packed)
         descriptors.append({"name": f"shard{i}.pt.zst", "compression": "zstd", "size_bytes": len(packed)})
     return descriptors
+
+
+def shard_descriptors(server: FaultServer, shards: list[dict], query: str | None = None) -> list[dict]:
+    """``make_shards``' shards as descriptors served by ``server`` (``query``: a token in the URL)."""
+    return [
+        {"url": server.url(s["name"], query), "compression": "zstd", "size_bytes": s["size_bytes"]}
+        for s in shards
+    ]
+
+
+def tiny_vit(image_size: int) -> torch.nn.Module:
+    """A ViT image classifier of a few thousand weights (3 labels, 8-pixel patches), seeded."""
+    from transformers import AutoConfig, AutoModelForImageClassification
+
+    config = AutoConfig.for_model(
+        "vit",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=37,
+        image_size=image_size,
+        patch_size=8,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    return AutoModelForImageClassification.from_config(config)

@@ -35,7 +35,6 @@ to ranged requests whose first byte is at least that).
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import os
 import re
 import socket
@@ -48,6 +47,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from orchestrator.artifacts import reply, send_file_head
 
 FAULT_KINDS = ("status", "reset", "truncate", "slow", "stall", "ignore_range", "wrong_length")
 SEND_CHUNK_BYTES = 8 * 1024 * 1024
@@ -280,24 +281,6 @@ class _QuietServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def _parse_range(header: str | None, size: int) -> tuple[int, int] | str | None:
-    """``(start, end_exclusive)``, ``"unsatisfiable"``, or None (no usable single range)."""
-    if not header:
-        return None
-    match = re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header)
-    if not match or not (match.group(1) or match.group(2)):
-        return None
-    first, last = match.group(1), match.group(2)
-    if not first:
-        suffix = int(last)
-        return (max(0, size - suffix), size) if suffix > 0 and size > 0 else "unsatisfiable"
-    start = int(first)
-    end = min(size, int(last) + 1) if last else size
-    if last and int(last) < start:
-        return None
-    return (start, end) if start < size else "unsatisfiable"
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = 60  # idle keep-alive connections end eventually
@@ -354,13 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
         return path if path.startswith(self.owner.root + os.sep) else None
 
     def _simple(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-        self.send_response(code)
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if body and self.command != "HEAD":
-            self.wfile.write(body)
+        reply(self, code, body, headers)
 
     def _reset(self) -> None:
         """Abort the connection with a TCP RST."""
@@ -383,29 +360,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._simple(int(fault.options.get("code", 500)), b"injected failure\n")
             return
         with open(path, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
-            modified = email.utils.formatdate(st.st_mtime, usegmt=True)
-            wanted = _parse_range(range_header, st.st_size)
-            if_range = self.headers.get("If-Range")
-            if (fault is not None and fault.kind == "ignore_range") or (
-                if_range and if_range not in (etag, modified)
-            ):
-                wanted = None
-            if wanted == "unsatisfiable":
-                self._simple(416, b"", {"Content-Range": f"bytes */{st.st_size}", "Accept-Ranges": "bytes"})
+            span = send_file_head(
+                self,
+                os.fstat(fh.fileno()),
+                ignore_range=fault is not None and fault.kind == "ignore_range",
+                length=int(fault.options["length"]) if fault and fault.kind == "wrong_length" else None,
+            )
+            if span is None:
                 return
-            start, end = wanted if isinstance(wanted, tuple) else (0, st.st_size)
-            self.send_response(206 if isinstance(wanted, tuple) else 200)
-            length = int(fault.options["length"]) if fault and fault.kind == "wrong_length" else end - start
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(length))
-            self.send_header("Accept-Ranges", "bytes")
-            self.send_header("ETag", etag)
-            self.send_header("Last-Modified", modified)
-            if isinstance(wanted, tuple):
-                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}")
-            self.end_headers()
+            start, end = span
             if not head:
                 self._send_body(fh, start, end, fault)
 

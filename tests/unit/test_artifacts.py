@@ -28,6 +28,7 @@ from executor.artifacts import (
     prepare_model_artifact,
 )
 from executor.errors import BadArtifact, InvalidRequest
+from tests.support.engine import tiny_vit
 
 MAX_BYTES = 64 * 1024 * 1024
 MAX_FILES = 100
@@ -186,20 +187,7 @@ def test_compressed_torch_zip_is_rejected(tmp_path: Path, existing: Path) -> Non
 @pytest.fixture(scope="module")
 def vit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny ViT saved by save_pretrained with several safetensors shards."""
-    from transformers import AutoConfig, AutoModelForImageClassification
-
-    config = AutoConfig.for_model(
-        "vit",
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=37,
-        image_size=32,
-        patch_size=8,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForImageClassification.from_config(config)
+    model = tiny_vit(image_size=32)
     out = tmp_path_factory.mktemp("vit")
     model.save_pretrained(str(out), max_shard_size="20KB")
     (out / "preprocessor_config.json").write_text(
