@@ -3,10 +3,12 @@ each failure, which hands over to :mod:`executor.ranged` when the file is large,
 server takes ranges and the first connection alone is slow.
 
 Why a probe and not always splitting: parallel connections pay off where one stream is
-held back by latency or a per-connection cap (object stores, WANs). Where one stream
-already runs at memory speed (a nearby nginx, a LAN cache) eight of them only add
-threads competing for the same cores; bench.download measured one stream at 1.05x a
-``cp`` and eight at 1.26x from nginx on loopback. So the first GET copies its first
+held back by latency or a per-connection cap (object stores, WANs), several times over.
+Where one stream already runs at memory speed (a nearby nginx, a LAN cache) eight of them
+gain little and cost eight threads on cores the worker also needs for decoding shards and
+feeding the GPU; from nginx on loopback (bench.download, 2 GiB) one stream took 0.78 s and
+eight 0.71 s. One stream is also hashed as it is written (:mod:`executor.follower`); a
+split download is hashed in a second pass. So the first GET copies its first
 ``PROBE_BYTES`` and the download splits only when that ran slower than
 ``parallel_below_bytes_s``; the probed bytes are kept, not fetched again.
 """
