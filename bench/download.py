@@ -40,7 +40,7 @@ from bench.common import add_size_and_runs, save, scratch
 from bench.nginx import Nginx
 from bench.tools import require
 from executor.errors import Stopped
-from executor.transfer import FetchResult, TransferConfig, fetch
+from executor.transfer._fetch import FetchResult, TransferConfig, fetch
 
 MIB = 1024 * 1024
 BLOCK = 64 * MIB
@@ -48,7 +48,7 @@ BLOCK = 64 * MIB
 CRASH_CHILD = r"""
 import sys, time
 sys.path.insert(0, {repo!r})
-from executor.transfer import fetch
+from executor.transfer._fetch import fetch
 url, dest, half = sys.argv[1], sys.argv[2], int(sys.argv[3])
 said = False
 def progress(done, total):

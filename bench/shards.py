@@ -30,7 +30,7 @@ from bench.nginx import Nginx
 from bench.tools import require
 from bench.zstd import make_shard
 from executor import Executor
-from executor.shards import ShardCache, ShardDescriptor
+from executor.shards._cache import ShardCache, ShardDescriptor
 from settings import Settings
 from tests.support.engine import mlp_state
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import add_size_and_runs, save, scratch
-from executor.delta import file_state_hash, make_sync_delta, write_delta
+from executor.delta._sync import file_state_hash, make_sync_delta, write_delta
 from executor.tensorfile import write_state
 
 SLICE = 16 * 1024 * 1024
@@ -38,7 +38,7 @@ CHILD = r"""
 import json, sys, time
 sys.path.insert(0, {repo!r})
 import torch
-from executor.apply import apply_sync_delta
+from executor.delta._apply import apply_sync_delta
 from bench.seed_apply import seed_apply
 mode, model, delta, base_hash, result_hash = sys.argv[1:6]
 started = time.monotonic()

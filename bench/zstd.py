@@ -31,7 +31,7 @@ import zstandard
 
 from bench.common import add_size_and_runs, save, scratch
 from bench.tools import require
-from executor.shards import ShardCache, ShardDescriptor
+from executor.shards._cache import ShardCache, ShardDescriptor
 
 
 def make_shard(path: Path, megabytes: int, seed: int = 11) -> tuple[int, int]:

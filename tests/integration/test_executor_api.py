@@ -10,8 +10,8 @@ import torch
 
 from executor import Executor
 from executor.errors import ShardIndexError
-from executor.namespace import NAMESPACE_NAMES
 from executor.results import RoundStatus
+from executor.rounds._namespace import NAMESPACE_NAMES
 from tests.support.engine import TRAIN_CODE, mlp_state
 
 CHECK_NAMES = """

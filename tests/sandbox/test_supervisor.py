@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from executor.errors import SandboxProtocolError
-from executor.protocol import MAX_FRAME_BYTES, checked_error, read_frame
-from executor.seccomp import AARCH64, X86_64, build_filter
-from executor.supervisor import read_result
+from executor.sandbox._protocol import MAX_FRAME_BYTES, checked_error, read_frame
+from executor.sandbox._seccomp import AARCH64, X86_64, build_filter
+from executor.sandbox._supervisor import read_result
 from executor.tensorfile import write_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_seccomp_programs_are_well_formed() -> None:
 
 def test_auto_refuses_clearly_when_nothing_can_isolate() -> None:
     code = (
-        "from executor.sandbox import resolve_mode\n"
+        "from executor.sandbox._launch import resolve_mode\n"
         "try:\n"
         "    resolve_mode('auto', 65534)\n"
         "except Exception as exc:\n"

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from executor import bundle
-from executor.artifacts import (
+from executor.artifacts import _bundle as bundle
+from executor.artifacts._formats import (
     BUNDLE_DIRNAME,
     MODEL_FILENAME,
     ModelArtifact,

@@ -15,7 +15,8 @@ import torch
 import zstandard
 
 from executor import delta as D  # noqa: N812 - short alias, used on every line
-from executor.apply import apply_sync_delta
+from executor.delta import _sync as delta_sync
+from executor.delta._apply import apply_sync_delta
 from executor.errors import BadArtifact, HashMismatch, Stopped
 from executor.tensorfile import dtype_from_name, tensor_bytes, write_state
 
@@ -114,7 +115,7 @@ def test_streaming_apply_matches_vectors(tmp_path: Path, vectors: list[dict]) ->
 
 def test_streaming_apply_in_small_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Slices of 3 elements cut every tensor at odd places; the bytes must not change.
-    monkeypatch.setattr(D, "SLICE_BYTES", 24)
+    monkeypatch.setattr(delta_sync, "SLICE_BYTES", 24)
     base = sample_state()
     new = {k: v.float() * 1.5 if v.is_floating_point() else v for k, v in base.items()}
     sync = D.make_sync_delta(base, new)

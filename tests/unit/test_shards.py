@@ -17,10 +17,10 @@ import pytest
 import torch
 import zstandard
 
-from executor.dataset import ShardSession
 from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, ShardIndexError
-from executor.shards import ShardCache, ShardDescriptor
-from executor.transfer import TransferConfig
+from executor.shards._cache import ShardCache, ShardDescriptor
+from executor.shards._session import ShardSession
+from executor.transfer._fetch import TransferConfig
 from tests.support.http_server import FaultServer
 
 REPO = Path(__file__).resolve().parents[2]

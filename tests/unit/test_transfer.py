@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from executor.errors import DownloadFailed, HashMismatch, InvalidRequest, Stopped, UploadFailed
-from executor.ranged import RECORD_EVERY_BYTES
 from executor.stopping import StopSignal
-from executor.transfer import (
+from executor.transfer._fetch import (
     MIB,
     FetchResult,
     TransferConfig,
@@ -31,6 +30,7 @@ from executor.transfer import (
     redact_url,
     upload,
 )
+from executor.transfer._ranged import RECORD_EVERY_BYTES
 from settings.config import Settings
 from tests.support.http_server import FaultServer
 
@@ -271,7 +271,7 @@ def test_one_stream_sha256_is_computed_while_the_file_is_written(
 ) -> None:
     # No second pass over the finished file: the hash follows the writer (executor.follower),
     # also across a Range resume and across a restart from zero (a server ignoring Range).
-    import executor.transfer as transfer_module
+    import executor.transfer._fetch as transfer_module
 
     def second_pass(*_args: object, **_kwargs: object) -> str:
         raise AssertionError("the file was hashed again after the download")
@@ -288,8 +288,8 @@ def test_one_stream_sha256_is_computed_while_the_file_is_written(
 
 
 def test_hash_follower_sees_a_truncated_and_rewritten_file(tmp_path: Path) -> None:
-    from executor.follower import HashFollower
-    from executor.httpio import Cancel
+    from executor.transfer._follower import HashFollower
+    from executor.transfer._http import Cancel
 
     path = tmp_path / "f"
     path.write_bytes(b"")
@@ -417,7 +417,7 @@ def test_parallel_stops_on_a_plain_event(server: FaultServer, root: Path, out: P
 
 _CHILD = """
 import sys
-from executor.transfer import TransferConfig, fetch
+from executor.transfer._fetch import TransferConfig, fetch
 config = TransferConfig(retries=1, read_timeout_s=60, buffer_bytes={buffer}, parallel_min_bytes={min_bytes},
                         parallel_connections={connections}, parallel_below_bytes_s={below})
 fetch(sys.argv[1], sys.argv[2], config=config)
@@ -713,7 +713,7 @@ def test_config_from_settings() -> None:
 
 
 def test_remote_size(server: FaultServer, root: Path, blob: tuple[str, str]) -> None:
-    from executor.transfer import remote_size
+    from executor.transfer._fetch import remote_size
 
     relpath, _ = blob
     assert remote_size(server.url(relpath, SECRET_QUERY), config=FAST) == 4 * MIB

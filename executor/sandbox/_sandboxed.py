@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from executor.errors import InvalidRequest
 from executor.fileio import temp_path_for
-from executor.inthread import RoundOutcome
-from executor.namespace import RoundSpec
-from executor.sandbox import Paths, SandboxConfig, resolve_mode, sandbox_config
+from executor.rounds._inthread import RoundOutcome
+from executor.rounds._namespace import RoundSpec
+from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
+from executor.sandbox._supervisor import Runner, result_limit
 from executor.session import Session
-from executor.supervisor import Runner, result_limit
 
 if TYPE_CHECKING:
     from settings import Settings

@@ -21,8 +21,8 @@ from typing import IO, Any
 import torch
 import zstandard
 
-from executor import delta as wire
-from executor.delta import (
+from executor.delta import _sync as wire
+from executor.delta._sync import (
     HASH_PREFIX,
     apply_rule,
     check_delta_specs,

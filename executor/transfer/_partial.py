@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import requests
 
 from executor.errors import Stopped
-from executor.httpio import if_range, redact_url
+from executor.transfer._http import if_range, redact_url
 
 logger = logging.getLogger("executor.transfer")
 

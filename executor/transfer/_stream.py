@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from executor.body import SpeedFloor, copy_body
 from executor.errors import DownloadFailed
-from executor.follower import HashFollower
-from executor.httpio import (
+from executor.transfer._body import SpeedFloor, copy_body
+from executor.transfer._follower import HashFollower
+from executor.transfer._http import (
     MIB,
     RETRYABLE,
     Cancel,
@@ -45,11 +45,11 @@ from executor.httpio import (
     unsatisfied_total,
     url_host,
 )
-from executor.partial import ProgressMeter, Sidecar, discard, partial_paths, resumable
-from executor.ranged import RangedDownload, plan_segments
+from executor.transfer._partial import ProgressMeter, Sidecar, discard, partial_paths, resumable
+from executor.transfer._ranged import RangedDownload, plan_segments
 
 if TYPE_CHECKING:
-    from executor.transfer import TransferConfig
+    from executor.transfer._fetch import TransferConfig
 
 logger = logging.getLogger("executor.transfer")
 

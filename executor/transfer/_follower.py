@@ -15,7 +15,7 @@ import os
 import threading
 from functools import partial
 
-from executor.httpio import MIB, Cancel
+from executor.transfer._http import MIB, Cancel
 
 READ_BYTES = 1 * MIB  # L2-sized: read back, then hashed while still in cache
 TRUNCATE_GRACE_S = 0.5

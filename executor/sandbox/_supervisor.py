@@ -26,12 +26,12 @@ from typing import IO, Any
 
 import torch
 
-from executor import seccomp
 from executor.errors import RoundhouseError, SandboxProtocolError, SandboxRunnerError, error_info
 from executor.fileio import atomic_write_json
-from executor.inthread import RoundOutcome
-from executor.protocol import checked_error, encode, read_frame
-from executor.sandbox import Paths, SandboxConfig, command, prepare_dirs
+from executor.rounds._inthread import RoundOutcome
+from executor.sandbox import _seccomp as seccomp
+from executor.sandbox._launch import Paths, SandboxConfig, command, prepare_dirs
+from executor.sandbox._protocol import checked_error, encode, read_frame
 from executor.tensorfile import read_header, read_tensor
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import zstandard
 from executor import transfer
 from executor.errors import NO_SPACE_ERRNOS, BadArtifact, CacheTooSmall, InvalidRequest, Stopped, storage_full
 from executor.fileio import temp_path_for
-from executor.ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
-from executor.locks import POLL_S, FileLock
+from executor.shards._ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
+from executor.shards._locks import POLL_S, FileLock
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import requests
 
-from executor.httpio import Cancel, TransientError
+from executor.transfer._http import Cancel, TransientError
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:

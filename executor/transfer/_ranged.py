@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from executor.body import SpeedFloor, copy_body
 from executor.errors import DownloadFailed, Stopped
-from executor.httpio import (
+from executor.transfer._body import SpeedFloor, copy_body
+from executor.transfer._http import (
     MIB,
     Cancel,
     HaltedError,
@@ -34,10 +34,10 @@ from executor.httpio import (
     track_response,
     tracking,
 )
-from executor.partial import ProgressMeter, Sidecar
+from executor.transfer._partial import ProgressMeter, Sidecar
 
 if TYPE_CHECKING:
-    from executor.transfer import TransferConfig
+    from executor.transfer._fetch import TransferConfig
 
 logger = logging.getLogger("executor.transfer")
 

@@ -21,8 +21,8 @@ import torch
 
 from executor import placement
 from executor.errors import RoundhouseError, StopExecution, Stopped, UserCodeError
-from executor.guard import execute_script
-from executor.namespace import RoundOutputs, cpu_state
+from executor.rounds._guard import execute_script
+from executor.rounds._namespace import RoundOutputs, cpu_state
 from executor.stopping import DoneThread, UserCodeShield
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import time
 from typing import IO, Any
 
 from executor.errors import InvalidRequest, RoundhouseError, StopExecution, Stopped
-from executor.protocol import encode, read_frame
+from executor.sandbox._protocol import encode, read_frame
 from executor.stopping import UserCodeShield
 
 
@@ -96,7 +96,7 @@ class ShardClient:
             return str(reply["path"])
 
     def get(self, index: int) -> Any:
-        from executor.shardfile import load_shard_file
+        from executor.shards._decode import load_shard_file
 
         if self._index == index:
             return self._data
@@ -126,9 +126,9 @@ def _rebuild(error: dict[str, Any]) -> RoundhouseError:
 
 def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shards: ShardClient) -> None:
     """One round; always ends with a ``complete`` message."""
-    from executor.guard import validate_script
-    from executor.inthread import failure
-    from executor.namespace import RoundOutputs, RoundSpec, SessionView, cpu_state, session_namespace
+    from executor.rounds._guard import validate_script
+    from executor.rounds._inthread import failure
+    from executor.rounds._namespace import RoundOutputs, RoundSpec, SessionView, cpu_state, session_namespace
     from executor.tensorfile import write_state
 
     started = time.monotonic()
@@ -170,7 +170,7 @@ def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shar
         )
         channel.shield.enter()
         try:
-            from executor.guard import execute_script
+            from executor.rounds._guard import execute_script
 
             execute_script(compiled, namespace)
         finally:
@@ -283,7 +283,3 @@ def main() -> None:
         with open(str(message["spec"]), encoding="utf-8") as file:
             spec = json.load(file)
         run_round(channel, init, spec, shards)
-
-
-if __name__ == "__main__":
-    main()

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from executor.errors import BadArtifact, RoundhouseError, ShardIndexError, Stopped
-from executor.shardfile import load_shard_file
-from executor.shards import Pin, Progress, ShardCache, ShardDescriptor
+from executor.shards._cache import Pin, Progress, ShardCache, ShardDescriptor
+from executor.shards._decode import load_shard_file
 from executor.stopping import DoneThread
 
 logger = logging.getLogger(__name__)

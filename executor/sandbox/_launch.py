@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
-CODE_ROOT = Path(__file__).resolve().parents[1]  # the directory holding the executor package
+CODE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the executor package
 INSIDE_PYTHON = "/opt/python"
 INSIDE_SITE = "/opt/site-packages"
 INSIDE_CODE = "/opt/roundhouse"
@@ -328,7 +328,7 @@ def unshare_argv(config: SandboxConfig, env: dict[str, str]) -> list[str]:
         unshare, "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
         *_setpriv(config),
         "/usr/bin/env", "-i", *env_args,
-        sys.executable, "-m", "executor.runner",
+        sys.executable, "-m", "executor.sandbox",
     ]  # fmt: skip
 
 
@@ -353,7 +353,7 @@ def command(
         return Launch([*_prlimit(config, file_bytes), *unshare_argv(config, env)], None)
     blob = b"".join(arg.encode() + b"\0" for arg in bwrap_args(config, paths, env, seccomp_fd))
     bwrap = shutil.which("bwrap") or "bwrap"
-    inner = [*_setpriv(config), python_inside(), "-m", "executor.runner"]
+    inner = [*_setpriv(config), python_inside(), "-m", "executor.sandbox"]
     return Launch([*_prlimit(config, file_bytes), bwrap, "--args", str(args_fd), "--", *inner], blob)
 
 

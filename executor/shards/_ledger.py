@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from executor.errors import CacheTooSmall, Stopped
-from executor.locks import FileLock
+from executor.shards._locks import FileLock
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from executor import bundle, fileio, tensorfile
+from executor import fileio, tensorfile
+from executor.artifacts import _bundle as bundle
 from executor.errors import BadArtifact, InvalidRequest, RoundhouseError
 
 logger = logging.getLogger(__name__)

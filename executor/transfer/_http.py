@@ -27,7 +27,7 @@ from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, Stopped
 from executor.stopping import StopSignal, on_stop
 
 if TYPE_CHECKING:
-    from executor.transfer import TransferConfig
+    from executor.transfer._fetch import TransferConfig
 
 logger = logging.getLogger("executor.transfer")
 

@@ -29,10 +29,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from executor.body import pwrite_all
 from executor.errors import (
     NO_SPACE_ERRNOS,
     DownloadFailed,
@@ -41,7 +40,8 @@ from executor.errors import (
     UploadFailed,
     storage_full,
 )
-from executor.httpio import (
+from executor.transfer._body import pwrite_all
+from executor.transfer._http import (
     MIB,
     SEND_BLOCK_BYTES,
     Cancel,
@@ -57,9 +57,11 @@ from executor.httpio import (
     unsatisfied_total,
     url_host,
 )
-from executor.partial import ProgressMeter, discard, partial_paths
-from executor.stream import download
-from settings.config import Settings
+from executor.transfer._partial import ProgressMeter, discard, partial_paths
+from executor.transfer._stream import download
+
+if TYPE_CHECKING:
+    from settings import Settings
 
 __all__ = [
     "MIB",

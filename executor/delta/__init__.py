@@ -1,0 +1,31 @@
+"""The bit-exact sync delta (DESIGN §4) and the trained delta a round ships back.
+
+``state_hash`` / ``file_state_hash`` (the hash both sides agree on), ``make_sync_delta``
+(the orchestrator's builder), ``write_delta`` / ``read_delta`` (the wire format, both
+directions), ``apply_sync_delta`` (the worker's one-pass streaming apply) and
+``write_result_delta`` (a round's ``trained - original``).
+"""
+
+from executor.delta._apply import apply_sync_delta
+from executor.delta._sync import (
+    SyncDelta,
+    apply_sync_delta_state,
+    file_state_hash,
+    make_sync_delta,
+    read_delta,
+    state_hash,
+    write_delta,
+    write_result_delta,
+)
+
+__all__ = [
+    "SyncDelta",
+    "apply_sync_delta",
+    "apply_sync_delta_state",
+    "file_state_hash",
+    "make_sync_delta",
+    "read_delta",
+    "state_hash",
+    "write_delta",
+    "write_result_delta",
+]

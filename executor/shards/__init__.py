@@ -1,0 +1,13 @@
+"""The persistent, bounded, cross-process shard cache (DESIGN §7) and one session's dataset.
+
+``ShardCache`` (entries keyed by tenant and shard id, a ledger that counts bytes in flight,
+file locks across processes), ``ShardDescriptor`` (what ``dataset_shards`` items parse
+into), ``ShardSession`` (pins, one-ahead prefetch, one decoded shard in memory) and
+``load_shard_file`` (decoding, shared with the sandboxed runner).
+"""
+
+from executor.shards._cache import Progress, ShardCache, ShardDescriptor, check_tenant
+from executor.shards._decode import load_shard_file
+from executor.shards._session import ShardSession
+
+__all__ = ["Progress", "ShardCache", "ShardDescriptor", "ShardSession", "check_tenant", "load_shard_file"]
