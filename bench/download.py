@@ -40,15 +40,19 @@ from bench.common import add_size_and_runs, save, scratch
 from bench.nginx import Nginx
 from bench.tools import require
 from executor.errors import Stopped
-from executor.transfer._fetch import FetchResult, TransferConfig, fetch
+from executor.fileio import MIB
+from executor.transfer import FetchResult, TransferConfig, fetch
+from settings import Settings
 
-MIB = 1024 * 1024
+DEFAULTS = TransferConfig.from_settings(Settings())
+
 BLOCK = 64 * MIB
 
 CRASH_CHILD = r"""
 import sys, time
 sys.path.insert(0, {repo!r})
-from executor.transfer._fetch import fetch
+from executor.transfer import TransferConfig, fetch
+from settings import Settings
 url, dest, half = sys.argv[1], sys.argv[2], int(sys.argv[3])
 said = False
 def progress(done, total):
@@ -57,7 +61,7 @@ def progress(done, total):
         said = True
         print("half", flush=True)
         time.sleep(60)  # the parent kills this process here
-fetch(url, dest, progress=progress)
+fetch(url, dest, config=TransferConfig.from_settings(Settings()), progress=progress)
 """
 
 
@@ -98,8 +102,8 @@ def run(cmd: list[str]) -> None:
 def methods(
     tools: dict[str, str], source: Path, url: str, sha256: str, dest: Path
 ) -> dict[str, Callable[[], object]]:
-    one_stream = TransferConfig(parallel_connections=1)
-    split = TransferConfig(parallel_below_bytes_s=0)
+    one_stream = TransferConfig.from_settings(Settings(parallel_connections=1))
+    split = TransferConfig.from_settings(Settings(parallel_below_bytes_s=0))
     return {
         "cp": lambda: run(["cp", "--reflink=never", str(source), str(dest)]),
         "curl": lambda: run([tools["curl"], "-sS", "-f", "-o", str(dest), url]),
@@ -120,10 +124,10 @@ def methods(
             ]
         ),
         "requests loop": lambda: requests_loop(url, dest),
-        "roundhouse": lambda: fetch(url, str(dest)),
+        "roundhouse": lambda: fetch(url, str(dest), config=DEFAULTS),
         "roundhouse, 8 forced": lambda: fetch(url, str(dest), config=split),
         "roundhouse, 1 connection": lambda: fetch(url, str(dest), config=one_stream),
-        "roundhouse + sha256": lambda: fetch(url, str(dest), sha256=sha256),
+        "roundhouse + sha256": lambda: fetch(url, str(dest), config=DEFAULTS, sha256=sha256),
         "curl + sha256sum": lambda: curl_and_check(tools["curl"], url, dest, sha256),
     }
 
@@ -143,7 +147,7 @@ def timed(fn: Callable[[], object]) -> float:
 def resume_after_drop(server: Nginx, url: str, dest: Path, size: int, at_s: float) -> dict[str, float]:
     """Stop nginx ``at_s`` into a fetch (every connection dropped mid-body), restart it at once."""
     clean(dest)
-    config = TransferConfig(backoff_s=0.1)
+    config = TransferConfig.from_settings(Settings(download_backoff_s=0.1))
     result: list[FetchResult] = []
     server.reset_log()
     thread = threading.Thread(target=lambda: result.append(fetch(url, str(dest), config=config)))
@@ -179,7 +183,7 @@ def resume_after_crash(url: str, dest: Path, size: int) -> dict[str, float]:
         # Progress is reported at intervals: a small file can be whole before the first report.
         raise RuntimeError("the download finished before it could be killed half-way: use a larger --mb")
     started = time.monotonic()
-    result = fetch(url, str(dest))
+    result = fetch(url, str(dest), config=DEFAULTS)
     return {
         "seconds": time.monotonic() - started,
         "resumed_bytes": result.resumed_bytes,
@@ -196,7 +200,7 @@ def abort_latency(url: str, dest: Path, after_s: float) -> float:
 
     def target() -> None:
         try:
-            fetch(url, str(dest), abort=abort)
+            fetch(url, str(dest), config=DEFAULTS, abort=abort)
             outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)

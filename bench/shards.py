@@ -30,7 +30,8 @@ from bench.nginx import Nginx
 from bench.tools import require
 from bench.zstd import make_shard
 from executor import Executor
-from executor.shards._cache import ShardCache, ShardDescriptor
+from executor.shards import ShardCache, ShardDescriptor
+from executor.transfer import TransferConfig
 from settings import Settings
 from tests.support.engine import mlp_state
 
@@ -151,7 +152,9 @@ def main() -> int:
 
 def serial_fetch_s(base: Path, shard: dict[str, object]) -> float:
     """One shard's fetch and decode into a fresh cache, timed alone (the serial loop's wait)."""
-    cache = ShardCache(str(base / "serial-cache"), 1 << 34)
+    cache = ShardCache(
+        str(base / "serial-cache"), 1 << 34, transfer_config=TransferConfig.from_settings(Settings())
+    )
     descriptor = ShardDescriptor.parse(shard)
     started = time.perf_counter()
     cache.acquire("bench", descriptor).release()

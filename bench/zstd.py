@@ -31,7 +31,9 @@ import zstandard
 
 from bench.common import add_size_and_runs, save, scratch
 from bench.tools import require
-from executor.shards._cache import ShardCache, ShardDescriptor
+from executor.shards import ShardCache, ShardDescriptor
+from executor.transfer import TransferConfig
+from settings import Settings
 
 
 def make_shard(path: Path, megabytes: int, seed: int = 11) -> tuple[int, int]:
@@ -70,7 +72,11 @@ def main() -> int:
         packed = base / "shard.pt.zst"
         packed_size, decoded_size = make_shard(packed, args.mb)
         out = base / "cli.out"
-        cache = ShardCache(str(base / "cache"), 4 * (decoded_size + packed_size))
+        cache = ShardCache(
+            str(base / "cache"),
+            4 * (decoded_size + packed_size),
+            transfer_config=TransferConfig.from_settings(Settings()),
+        )
         descriptor = ShardDescriptor.parse(
             {"url": str(packed), "compression": "zstd", "size_bytes": packed_size}
         )

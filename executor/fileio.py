@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
+MIB = 1 << 20  # the one definition of a mebibyte, for every size written in MiB
 TEMP_SUFFIX = ".tmp"
 
 

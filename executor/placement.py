@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from executor.errors import GpuOutOfMemory, InvalidRequest
+from executor.fileio import MIB
 
 INFERENCE_MULTIPLIER = 1.15
 HEAD_TRAINING_MULTIPLIER = 1.25
@@ -33,7 +34,6 @@ FIT_FRACTION = 0.85
 DEVICE_MAP_FRACTION = 0.82
 MIN_GPU_MAP_MIB = 256
 MIN_CPU_MAP_MIB = 1024
-MIB = 1024 * 1024
 
 GPU_OOM_MESSAGE = (
     "GPU ran out of memory. Reduce batch_size or call place_model(model), "

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from executor.errors import SandboxRunnerError
+from executor.fileio import MIB
 
 if TYPE_CHECKING:
     from settings import Settings
 
 logger = logging.getLogger(__name__)
 
-MIB = 1024 * 1024
 CODE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the executor package
 INSIDE_PYTHON = "/opt/python"
 INSIDE_SITE = "/opt/site-packages"

@@ -149,7 +149,7 @@ class ShardCache:
         root: str,
         max_bytes: int,
         *,
-        transfer_config: transfer.TransferConfig | None = None,
+        transfer_config: transfer.TransferConfig,
         wait_timeout_s: float = 120.0,
     ) -> None:
         if max_bytes <= 0:
@@ -159,7 +159,7 @@ class ShardCache:
         os.chmod(root, 0o700)
         self.root = root
         self.ledger = Ledger(root, max_bytes)
-        self.transfer_config = transfer_config or transfer.TransferConfig()
+        self.transfer_config = transfer_config
         self.wait_timeout_s = wait_timeout_s
         self._pins_lock = threading.Lock()
         self._pinned: dict[int, tuple[str, int]] = {}  # this process's pins: id -> (path, bytes)

@@ -6,7 +6,6 @@ the hash follower) lives in private modules that nothing outside this package im
 """
 
 from executor.transfer._fetch import (
-    MIB,
     FetchResult,
     TransferConfig,
     fetch,
@@ -17,7 +16,6 @@ from executor.transfer._fetch import (
 )
 
 __all__ = [
-    "MIB",
     "FetchResult",
     "TransferConfig",
     "fetch",

@@ -42,7 +42,6 @@ from executor.errors import (
 )
 from executor.transfer._body import pwrite_all
 from executor.transfer._http import (
-    MIB,
     SEND_BLOCK_BYTES,
     Cancel,
     announced_total,
@@ -64,7 +63,6 @@ if TYPE_CHECKING:
     from settings import Settings
 
 __all__ = [
-    "MIB",
     "FetchResult",
     "TransferConfig",
     "fetch",
@@ -79,26 +77,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TransferConfig:
-    retries: int = 3  # attempts per transfer (and per parallel segment)
-    backoff_s: float = 2.0  # sleep backoff_s * attempt between attempts
-    connect_timeout_s: float = 30.0
-    read_timeout_s: float = 300.0  # a read stalled longer than this fails the attempt
+    """How transfers behave; built from :class:`~settings.Settings` (``from_settings``), the one
+    place where the values and their defaults are written down."""
+
+    retries: int  # attempts per transfer (and per parallel segment)
+    backoff_s: float  # sleep backoff_s * attempt between attempts
+    connect_timeout_s: float
+    read_timeout_s: float  # a read stalled longer than this fails the attempt
     # Files are copied and hashed through one reused buffer of this size; network reads take
     # at most this much per call, into the same kind of buffer (body.body_reader).
-    buffer_bytes: int = 4 * MIB
-    parallel_min_bytes: int = 64 * MIB
-    parallel_connections: int = 8
+    buffer_bytes: int
+    parallel_min_bytes: int
+    parallel_connections: int
     # Split only when the first connection ran slower than this over its first 16 MiB
-    # (stream.PROBE_BYTES); 0: always split. 400 MB/s is far above what one connection to
-    # an object store gets and far below one to a nearby server.
-    parallel_below_bytes_s: int = 400_000_000
+    # (stream.PROBE_BYTES); 0: always split.
+    parallel_below_bytes_s: int
     # A server that trickles below this rate for this long fails the attempt (slow loris).
-    low_speed_bytes_s: int = 1024
-    low_speed_time_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.retries < 1 or self.parallel_connections < 1 or self.buffer_bytes < 1:
-            raise ValueError("retries, parallel_connections and buffer_bytes must be at least 1")
+    low_speed_bytes_s: int
+    low_speed_time_s: float
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TransferConfig:
@@ -118,9 +114,6 @@ class TransferConfig:
     @property
     def timeout(self) -> tuple[float, float]:
         return (self.connect_timeout_s, self.read_timeout_s)
-
-
-DEFAULT_CONFIG = TransferConfig()
 
 
 @dataclass(frozen=True)
@@ -145,7 +138,7 @@ def fetch(
     url: str,
     dest: str,
     *,
-    config: TransferConfig = DEFAULT_CONFIG,
+    config: TransferConfig,
     abort: threading.Event | None = None,
     sha256: str | None = None,
     size: int | None = None,
@@ -182,9 +175,7 @@ def fetch(
     return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked)
 
 
-def upload(
-    path: str, url: str, *, config: TransferConfig = DEFAULT_CONFIG, abort: threading.Event | None = None
-) -> int:
+def upload(path: str, url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int:
     """PUT the file at ``path`` to ``url``, or copy it atomically to a file:// URL or path.
 
     Returns the bytes sent; raises ``UploadFailed`` when retries are spent, ``Stopped``.
@@ -196,9 +187,7 @@ def upload(
         return _upload_http(path, url, config, cancel)
 
 
-def remote_size(
-    url: str, *, config: TransferConfig = DEFAULT_CONFIG, abort: threading.Event | None = None
-) -> int | None:
+def remote_size(url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int | None:
     """The size of ``url`` in bytes, or None when the server does not say (chunked, no ranges).
 
     Asks with ``GET`` + ``Range: bytes=0-0`` rather than HEAD: a presigned URL is

@@ -15,7 +15,8 @@ import os
 import threading
 from functools import partial
 
-from executor.transfer._http import MIB, Cancel
+from executor.fileio import MIB
+from executor.transfer._http import Cancel
 
 READ_BYTES = 1 * MIB  # L2-sized: read back, then hashed while still in cache
 TRUNCATE_GRACE_S = 0.5

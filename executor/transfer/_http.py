@@ -24,6 +24,7 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, Stopped
+from executor.fileio import MIB
 from executor.stopping import StopSignal, on_stop
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("executor.transfer")
 
-MIB = 1024 * 1024
 # http.client sends file bodies in blocks of this size; its 16 KiB default costs a
 # syscall per 16 KiB on multi-GB uploads.
 SEND_BLOCK_BYTES = 1 * MIB

@@ -13,13 +13,13 @@ import sys
 
 from executor.shards._cache import ShardCache, ShardDescriptor
 from executor.transfer._fetch import TransferConfig
+from settings import Settings
 
 
 def main(argv: list[str]) -> int:
     root, limit, tenant, *urls = argv
-    cache = ShardCache(
-        root, int(limit), transfer_config=TransferConfig(retries=3, backoff_s=0.01), wait_timeout_s=60
-    )
+    config = TransferConfig.from_settings(Settings(download_retries=3, download_backoff_s=0.01))
+    cache = ShardCache(root, int(limit), transfer_config=config, wait_timeout_s=60)
     pins = []
     for url in urls:
         descriptor = ShardDescriptor.parse(json.loads(url) if url.startswith("{") else url)

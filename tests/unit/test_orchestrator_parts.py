@@ -14,6 +14,7 @@ from executor import transfer
 from orchestrator.artifacts import ArtifactServer
 from orchestrator.outer import OuterOptimizer, mean_delta
 from orchestrator.s3 import presign
+from settings import Settings
 
 
 @pytest.fixture
@@ -44,12 +45,17 @@ def test_ranges_and_atomic_puts_work_with_the_executors_transfer(
     url = store.publish("big", tmp_path / "big")
     ranged = requests.get(url, headers={"Range": "bytes=10-19"}, timeout=10)
     assert ranged.status_code == 206 and ranged.content == data[10:20]
-    config = transfer.TransferConfig(
-        parallel_min_bytes=1 << 20, parallel_connections=3, parallel_below_bytes_s=0, backoff_s=0.01
+    config = transfer.TransferConfig.from_settings(
+        Settings(
+            parallel_min_bytes=1 << 20,
+            parallel_connections=3,
+            parallel_below_bytes_s=0,
+            download_backoff_s=0.01,
+        )
     )
     result = transfer.fetch(url, str(tmp_path / "copy"), config=config)
     assert (tmp_path / "copy").read_bytes() == data and result.connections == 3
-    transfer.upload(str(tmp_path / "copy"), store.url_put("up/delta.zst"))
+    transfer.upload(str(tmp_path / "copy"), store.url_put("up/delta.zst"), config=config)
     fetched = tmp_path / "fetched"
     store.fetch("up/delta.zst", fetched)
     assert fetched.read_bytes() == data

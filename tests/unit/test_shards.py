@@ -21,10 +21,11 @@ from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, ShardInd
 from executor.shards._cache import ShardCache, ShardDescriptor
 from executor.shards._session import ShardSession
 from executor.transfer._fetch import TransferConfig
+from settings import Settings
 from tests.support.http_server import FaultServer
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = TransferConfig(retries=3, backoff_s=0.01, read_timeout_s=10)
+FAST = TransferConfig.from_settings(Settings(download_retries=3, download_backoff_s=0.01, read_timeout_s=10))
 SHARD_ELEMS = 64 * 1024  # 256 KiB of float32 per shard (plus torch's zip overhead)
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from executor.errors import DownloadFailed, HashMismatch, InvalidRequest, Stopped, UploadFailed
+from executor.fileio import MIB
 from executor.stopping import StopSignal
 from executor.transfer._fetch import (
-    MIB,
     FetchResult,
     TransferConfig,
     fetch,
@@ -38,7 +38,11 @@ SECRET_QUERY = "X-Amz-Signature=secret-token&X-Amz-Credential=AKIAEXAMPLE"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Small buffers so that a few MiB make many reads; tiny backoff so retries are quick.
-FAST = TransferConfig(retries=3, backoff_s=0.01, read_timeout_s=20.0, buffer_bytes=64 * 1024)
+FAST = TransferConfig.from_settings(
+    Settings(
+        download_retries=3, download_backoff_s=0.01, read_timeout_s=20.0, download_buffer_bytes=64 * 1024
+    )
+)
 
 
 def _write_random(path: Path, size_bytes: int) -> str:
@@ -323,21 +327,23 @@ def test_size_mismatch_fails(server: FaultServer, blob: tuple[str, str], out: Pa
 
 def test_unsupported_scheme(out: Path) -> None:
     with pytest.raises(InvalidRequest):
-        fetch("ftp://example.com/x?token=1", str(out / "f"))
+        fetch("ftp://example.com/x?token=1", str(out / "f"), config=FAST)
 
 
 # ------------------------------------------------------------------------ parallel
 
 
 def _parallel_config(connections: int) -> TransferConfig:
-    return TransferConfig(
-        retries=3,
-        backoff_s=0.01,
-        read_timeout_s=20.0,
-        buffer_bytes=1 * MIB,
-        parallel_min_bytes=1 * MIB,
-        parallel_connections=connections,
-        parallel_below_bytes_s=0,  # always split: these tests are about the split itself
+    return TransferConfig.from_settings(
+        Settings(
+            download_retries=3,
+            download_backoff_s=0.01,
+            read_timeout_s=20.0,
+            download_buffer_bytes=1 * MIB,
+            parallel_min_bytes=1 * MIB,
+            parallel_connections=connections,
+            parallel_below_bytes_s=0,  # always split: these tests are about the split itself
+        )
     )
 
 
@@ -417,9 +423,11 @@ def test_parallel_stops_on_a_plain_event(server: FaultServer, root: Path, out: P
 
 _CHILD = """
 import sys
-from executor.transfer._fetch import TransferConfig, fetch
-config = TransferConfig(retries=1, read_timeout_s=60, buffer_bytes={buffer}, parallel_min_bytes={min_bytes},
-                        parallel_connections={connections}, parallel_below_bytes_s={below})
+from executor.transfer import TransferConfig, fetch
+from settings import Settings
+config = TransferConfig.from_settings(Settings(
+    download_retries=1, read_timeout_s=60, download_buffer_bytes={buffer}, parallel_min_bytes={min_bytes},
+    parallel_connections={connections}, parallel_below_bytes_s={below}))
 fetch(sys.argv[1], sys.argv[2], config=config)
 """
 
@@ -552,7 +560,11 @@ def test_stop_signal_aborts_a_stalled_read(server: FaultServer, blob: tuple[str,
     relpath, _ = blob
     server.add_fault(relpath, "stall", after_bytes=1 * MIB)
     signal_ = StopSignal()
-    config = TransferConfig(retries=3, backoff_s=0.01, read_timeout_s=60.0, buffer_bytes=64 * 1024)
+    config = TransferConfig.from_settings(
+        Settings(
+            download_retries=3, download_backoff_s=0.01, read_timeout_s=60.0, download_buffer_bytes=64 * 1024
+        )
+    )
     latency = _abort_latency(
         lambda: fetch(server.url(relpath), str(out / "f"), config=config, abort=signal_), signal_, server
     )
@@ -566,7 +578,7 @@ def test_abort_during_backoff(server: FaultServer, blob: tuple[str, str], out: P
     relpath, _ = blob
     server.add_fault(relpath, "status", code=503, times=-1)
     abort = threading.Event()
-    config = TransferConfig(retries=3, backoff_s=30.0)
+    config = TransferConfig.from_settings(Settings(download_retries=3, download_backoff_s=30.0))
     timer = threading.Timer(0.3, abort.set)
     timer.start()
     started = time.monotonic()
@@ -580,7 +592,7 @@ def test_already_set_abort_makes_no_request(server: FaultServer, blob: tuple[str
     signal_ = StopSignal()
     signal_.set()
     with pytest.raises(Stopped):
-        fetch(server.url(blob[0]), str(out / "f"), abort=signal_)
+        fetch(server.url(blob[0]), str(out / "f"), config=FAST, abort=signal_)
     assert server.requests == []
 
 
@@ -592,7 +604,13 @@ def test_file_changed_on_server_starts_over(server: FaultServer, root: Path, out
     server.add_fault("c.bin", "reset", after_bytes=1 * MIB, delay_s=0.2)
     dest = out / "c.bin"
     with pytest.raises(DownloadFailed):
-        fetch(server.url("c.bin"), str(dest), config=TransferConfig(retries=1, buffer_bytes=64 * 1024))
+        fetch(
+            server.url("c.bin"),
+            str(dest),
+            config=TransferConfig.from_settings(
+                Settings(download_retries=1, download_buffer_bytes=64 * 1024)
+            ),
+        )
     assert os.path.getsize(partial_paths(str(dest))[0]) == 1 * MIB
     new_digest = _write_random(root / "c.bin", 3 * MIB)  # another size: another ETag
     result = fetch(server.url("c.bin"), str(dest), config=FAST, sha256=new_digest)
@@ -634,7 +652,7 @@ def test_local_sources_are_copied(root: Path, out: Path, blob: tuple[str, str], 
 
 def test_local_source_missing(out: Path) -> None:
     with pytest.raises(DownloadFailed):
-        fetch(str(out / "nope.bin"), str(out / "f"))
+        fetch(str(out / "nope.bin"), str(out / "f"), config=FAST)
 
 
 # ------------------------------------------------------------------------- upload
@@ -687,7 +705,7 @@ def test_upload_stops(server: FaultServer, tmp_path: Path) -> None:
     signal_ = StopSignal()
     signal_.set()
     with pytest.raises(Stopped):
-        upload(str(source), server.url("d.bin"), abort=signal_)
+        upload(str(source), server.url("d.bin"), config=FAST, abort=signal_)
     assert server.requests == []
 
 
@@ -709,7 +727,7 @@ def test_config_from_settings() -> None:
     assert (config.retries, config.backoff_s, config.parallel_connections) == (5, 0.5, 3)
     assert config.buffer_bytes == settings.download_buffer_bytes
     with pytest.raises(ValueError):
-        TransferConfig(retries=0)
+        TransferConfig.from_settings(Settings(download_retries=0))
 
 
 def test_remote_size(server: FaultServer, root: Path, blob: tuple[str, str]) -> None:
@@ -722,7 +740,7 @@ def test_remote_size(server: FaultServer, root: Path, blob: tuple[str, str]) -> 
     assert remote_size(server.url(relpath), config=FAST) == 4 * MIB
     (root / "empty.bin").write_bytes(b"")
     assert remote_size(server.url("empty.bin"), config=FAST) == 0
-    assert remote_size(str(root / relpath)) == 4 * MIB
+    assert remote_size(str(root / relpath), config=FAST) == 4 * MIB
     with pytest.raises(DownloadFailed):
         remote_size(server.url("missing.bin"), config=FAST)
 
