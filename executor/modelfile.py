@@ -24,7 +24,7 @@ from executor.errors import NO_SPACE_ERRNOS, BadArtifact, HashMismatch, Stopped,
 from executor.fileio import TEMP_SUFFIX, remove_quietly
 from executor.results import ApplyVia
 from executor.session import Fingerprint, Session, model_fingerprint
-from executor.shards._cache import Progress
+from executor.transfer import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ into), ``ShardSession`` (pins, one-ahead prefetch, one decoded shard in memory) 
 ``load_shard_file`` (decoding, shared with the sandboxed runner).
 """
 
-from executor.shards._cache import Progress, ShardCache, ShardDescriptor, check_tenant
+from executor.shards._cache import ShardCache, ShardDescriptor, check_tenant
 from executor.shards._decode import load_shard_file
 from executor.shards._session import ShardSession
 
-__all__ = ["Progress", "ShardCache", "ShardDescriptor", "ShardSession", "check_tenant", "load_shard_file"]
+__all__ = ["ShardCache", "ShardDescriptor", "ShardSession", "check_tenant", "load_shard_file"]

@@ -29,6 +29,7 @@ from executor.errors import NO_SPACE_ERRNOS, BadArtifact, CacheTooSmall, Invalid
 from executor.fileio import temp_path_for
 from executor.shards._ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
 from executor.shards._locks import POLL_S, FileLock
+from executor.transfer import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,6 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DECODE_CHUNK_BYTES = 1024 * 1024
 # Reservation growth step when a zstd frame does not record its decoded size.
 GROW_STEP_BYTES = 64 * 1024 * 1024
-
-Progress = Callable[[int, int | None], None]
 
 
 def check_tenant(tenant: str) -> str:

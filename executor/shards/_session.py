@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from executor.errors import BadArtifact, RoundhouseError, ShardIndexError, Stopped
-from executor.shards._cache import Pin, Progress, ShardCache, ShardDescriptor
+from executor.shards._cache import Pin, ShardCache, ShardDescriptor
 from executor.shards._decode import load_shard_file
 from executor.stopping import DoneThread
+from executor.transfer import Progress
 
 logger = logging.getLogger(__name__)
 

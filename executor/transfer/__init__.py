@@ -7,6 +7,7 @@ the hash follower) lives in private modules that nothing outside this package im
 
 from executor.transfer._fetch import (
     FetchResult,
+    Progress,
     TransferConfig,
     fetch,
     partial_paths,
@@ -17,6 +18,7 @@ from executor.transfer._fetch import (
 
 __all__ = [
     "FetchResult",
+    "Progress",
     "TransferConfig",
     "fetch",
     "partial_paths",

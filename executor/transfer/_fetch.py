@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FetchResult",
+    "Progress",
     "TransferConfig",
     "fetch",
     "partial_paths",
@@ -73,6 +74,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# What a transfer reports as it goes: (bytes done, total bytes or None when unknown).
+Progress = Callable[[int, int | None], None]
 
 
 @dataclass(frozen=True)
