@@ -13,7 +13,7 @@ import torch
 import zstandard
 from safetensors.torch import load_file, save_file
 
-from executor.delta._sync import state_hash
+from executor.delta import state_hash
 
 
 def seed_apply(model_path: str, delta_path: str, base_hash: str, result_hash: str) -> None:

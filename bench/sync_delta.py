@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.common import add_size_and_runs, save, scratch
-from executor.delta._sync import file_state_hash, make_sync_delta, write_delta
+from executor.delta import file_state_hash, make_sync_delta, write_delta
 from executor.tensorfile import write_state
 
 SLICE = 16 * 1024 * 1024

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from executor import placement, transfer
-from executor.delta._sync import file_state_hash
+from executor.delta import file_state_hash
 from executor.errors import CleanupFailed, InvalidRequest
 from executor.fileio import atomic_write_json, tree_bytes
 from executor.modelfile import ModelFiles
@@ -36,11 +36,18 @@ from executor.results import (
     LoadResult,
     RoundResult,
 )
-from executor.rounds._guard import validate_script
-from executor.rounds._inthread import RoundOutcome, ThreadRound
-from executor.rounds._namespace import RoundOutputs, RoundSpec, SessionView, session_namespace
-from executor.rounds._outcome import round_result, ship_delta
-from executor.sandbox._sandboxed import Isolation
+from executor.rounds import (
+    RoundOutcome,
+    RoundOutputs,
+    RoundSpec,
+    SessionView,
+    ThreadRound,
+    round_result,
+    session_namespace,
+    ship_delta,
+    validate_script,
+)
+from executor.sandbox import Isolation
 from executor.session import (
     Session,
     check_int,
@@ -49,8 +56,7 @@ from executor.session import (
     parse_delta_dtype,
     session_from_manifest,
 )
-from executor.shards._cache import ShardCache, ShardDescriptor
-from executor.shards._session import ShardSession
+from executor.shards import ShardCache, ShardDescriptor, ShardSession
 from executor.stopping import DoneThread, StopSignal, UserCodeShield
 from settings import Settings, get_settings
 

@@ -18,8 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from executor import artifacts, transfer
-from executor.delta._apply import apply_sync_delta
-from executor.delta._sync import file_state_hash
+from executor.delta import apply_sync_delta, file_state_hash
 from executor.errors import NO_SPACE_ERRNOS, BadArtifact, HashMismatch, Stopped, error_info, storage_full
 from executor.fileio import TEMP_SUFFIX, remove_quietly
 from executor.results import ApplyVia

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from executor.errors import InvalidRequest, RoundhouseError
-from executor.shards._cache import ShardDescriptor, check_tenant
-from executor.shards._session import ShardSession
+from executor.shards import ShardDescriptor, ShardSession, check_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +136,9 @@ def session_from_manifest(
     The recorded model hash is trusted only while the file is the one the manifest
     describes (inode, size, mtime); otherwise it is recomputed from the file.
     """
-    from executor.delta._sync import file_state_hash
+    from executor.delta import file_state_hash
     from executor.fileio import read_json
-    from executor.rounds._guard import validate_script
+    from executor.rounds import validate_script
 
     model_path = os.path.join(model_dir, "model.safetensors")
     try:

@@ -91,7 +91,7 @@ def local_cluster(base: Path, workers: int, console: Console) -> Iterator[str]:
     redis = EmbeddedRedis(base / "redis").start()
     env = {"ROUNDHOUSE_METRICS_PORT": "0", "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "1"}
     if "ROUNDHOUSE_SANDBOX" not in os.environ:
-        from executor.sandbox._launch import bwrap_works
+        from executor.sandbox import bwrap_works
 
         if not bwrap_works():
             console.print(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from executor.delta._sync import make_sync_delta, read_delta, state_hash, write_delta
+from executor.delta import make_sync_delta, read_delta, state_hash, write_delta
 from orchestrator.outer import OuterOptimizer, mean_delta
 from orchestrator.store import ArtifactStore
 from tasks.client import RoundClient

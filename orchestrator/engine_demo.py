@@ -26,7 +26,7 @@ from rich.table import Table
 from safetensors.torch import load_file, save_file
 
 from executor import Executor
-from executor.delta._sync import make_sync_delta, read_delta, write_delta
+from executor.delta import make_sync_delta, read_delta, write_delta
 from settings import Settings
 
 ROUNDS = 5

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor.delta._sync import make_sync_delta, state_hash
+from executor.delta import make_sync_delta, state_hash
 from executor.tensorfile import dtype_name, tensor_bytes
 
 

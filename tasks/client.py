@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from executor.transfer._http import redact_url
+from executor.transfer import redact_url
 from settings import Settings, celery_config, get_settings
 from tasks.child import HEARTBEAT_PREFIX, heartbeat_key
 from tasks.control import send_stop

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from executor.artifacts._bundle import checkpoint_state
+from executor.artifacts import checkpoint_state
 from executor.errors import StopExecution
 
 NAMESPACE_NAMES = (

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from executor import transfer
-from executor.delta._sync import write_result_delta
+from executor.delta import write_result_delta
 from executor.errors import NO_SPACE_ERRNOS, ErrorInfo, RoundhouseError, Stopped, UserCodeError, storage_full
 from executor.results import DeltaInfo, RoundResult, RoundStatus
 

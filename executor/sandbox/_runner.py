@@ -96,7 +96,7 @@ class ShardClient:
             return str(reply["path"])
 
     def get(self, index: int) -> Any:
-        from executor.shards._decode import load_shard_file
+        from executor.shards import load_shard_file
 
         if self._index == index:
             return self._data
@@ -126,9 +126,15 @@ def _rebuild(error: dict[str, Any]) -> RoundhouseError:
 
 def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shards: ShardClient) -> None:
     """One round; always ends with a ``complete`` message."""
-    from executor.rounds._guard import validate_script
-    from executor.rounds._inthread import failure
-    from executor.rounds._namespace import RoundOutputs, RoundSpec, SessionView, cpu_state, session_namespace
+    from executor.rounds import (
+        RoundOutputs,
+        RoundSpec,
+        SessionView,
+        cpu_state,
+        failure,
+        session_namespace,
+        validate_script,
+    )
     from executor.tensorfile import write_state
 
     started = time.monotonic()
@@ -170,7 +176,7 @@ def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shar
         )
         channel.shield.enter()
         try:
-            from executor.rounds._guard import execute_script
+            from executor.rounds import execute_script
 
             execute_script(compiled, namespace)
         finally:

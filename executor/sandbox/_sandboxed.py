@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from executor.errors import InvalidRequest
 from executor.fileio import temp_path_for
-from executor.rounds._inthread import RoundOutcome
-from executor.rounds._namespace import RoundSpec
+from executor.rounds import RoundOutcome, RoundSpec
 from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
 from executor.sandbox._supervisor import Runner, result_limit
 from executor.session import Session

@@ -28,7 +28,7 @@ import torch
 
 from executor.errors import RoundhouseError, SandboxProtocolError, SandboxRunnerError, error_info
 from executor.fileio import atomic_write_json
-from executor.rounds._inthread import RoundOutcome
+from executor.rounds import RoundOutcome
 from executor.sandbox import _seccomp as seccomp
 from executor.sandbox._launch import Paths, SandboxConfig, command, prepare_dirs
 from executor.sandbox._protocol import checked_error, encode, read_frame

@@ -11,7 +11,7 @@ import torch
 from executor import Executor
 from executor.errors import ShardIndexError
 from executor.results import RoundStatus
-from executor.rounds._namespace import NAMESPACE_NAMES
+from executor.rounds import NAMESPACE_NAMES
 from tests.support.engine import TRAIN_CODE, mlp_state
 
 CHECK_NAMES = """

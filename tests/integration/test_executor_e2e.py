@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from executor import Executor
-from executor.delta._sync import file_state_hash, make_sync_delta, read_delta, state_hash, write_delta
+from executor.delta import file_state_hash, make_sync_delta, read_delta, state_hash, write_delta
 from executor.errors import BadArtifact, ScriptRejected
 from executor.results import ApplyVia, ExecutorState, RoundStatus
 from settings import Settings

@@ -19,7 +19,7 @@ import torch
 import zstandard
 from safetensors.torch import save_file
 
-from executor.delta._sync import file_state_hash, make_sync_delta, read_delta, state_hash, write_delta
+from executor.delta import file_state_hash, make_sync_delta, read_delta, state_hash, write_delta
 from orchestrator.artifacts import ArtifactServer
 from settings import Settings
 from tasks.client import RoundClient

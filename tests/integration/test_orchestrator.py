@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from executor.delta._sync import state_hash
+from executor.delta import state_hash
 from orchestrator.artifacts import ArtifactServer
 from orchestrator.demo import TRAIN, build_model, build_shards
 from orchestrator.diloco import Orchestrator, Session, pick_hosts

@@ -18,7 +18,7 @@ import zstandard
 from celery import Celery
 from safetensors.torch import save_file
 
-from executor.delta._sync import make_sync_delta, read_delta, state_hash, write_delta
+from executor.delta import make_sync_delta, read_delta, state_hash, write_delta
 from settings import Settings
 from tasks.client import RoundClient
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors

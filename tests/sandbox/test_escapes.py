@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import save_file
 
 from executor import Executor
-from executor.delta._sync import read_delta
+from executor.delta import read_delta
 from executor.results import RoundStatus
-from executor.sandbox._launch import bwrap_works
+from executor.sandbox import bwrap_works
 from settings import Settings
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer

@@ -11,9 +11,15 @@ import pytest
 import torch
 
 from executor.errors import SandboxProtocolError
-from executor.sandbox._protocol import MAX_FRAME_BYTES, checked_error, read_frame
-from executor.sandbox._seccomp import AARCH64, X86_64, build_filter
-from executor.sandbox._supervisor import read_result
+from executor.sandbox import (
+    AARCH64,
+    MAX_FRAME_BYTES,
+    X86_64,
+    build_filter,
+    checked_error,
+    read_frame,
+    read_result,
+)
 from executor.tensorfile import write_state
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from executor.shards._cache import ShardCache, ShardDescriptor
-from executor.transfer._fetch import TransferConfig
+from executor.shards import ShardCache, ShardDescriptor
+from executor.transfer import TransferConfig
 from settings import Settings
 
 

@@ -162,7 +162,7 @@ def make_cases(root: Path, shards: int = 4) -> dict[str, GpuCase]:
 
 def bare_loop(case: GpuCase, root: Path, steps: int) -> float:
     """Steps/s of the same script run as plain PyTorch in this process: the reference."""
-    from executor.shards._decode import load_shard_file
+    from executor.shards import load_shard_file
 
     namespace: dict[str, Any] = {"torch": torch, "device": torch.device("cuda")}
     exec("import time\n" + STEP_LOOP, namespace)

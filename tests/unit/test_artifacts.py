@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from executor.artifacts import _bundle as bundle
-from executor.artifacts._formats import (
+from executor.artifacts import (
     BUNDLE_DIRNAME,
     MODEL_FILENAME,
     ModelArtifact,
@@ -27,6 +26,7 @@ from executor.artifacts._formats import (
     model_suffix,
     prepare_model_artifact,
 )
+from executor.artifacts import _bundle as bundle
 from executor.errors import BadArtifact, InvalidRequest
 from tests.support.engine import tiny_vit
 

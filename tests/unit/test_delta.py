@@ -16,7 +16,7 @@ import zstandard
 
 from executor import delta as D  # noqa: N812 - short alias, used on every line
 from executor.delta import _sync as delta_sync
-from executor.delta._apply import apply_sync_delta
+from executor.delta import apply_sync_delta
 from executor.errors import BadArtifact, HashMismatch, Stopped
 from executor.tensorfile import dtype_from_name, tensor_bytes, write_state
 

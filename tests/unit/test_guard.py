@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from executor.errors import ScriptRejected, UserCodeError
-from executor.rounds._guard import execute_script, validate_script
+from executor.rounds import execute_script, validate_script
 
 
 def test_valid_code_compiles_and_runs() -> None:

@@ -18,9 +18,8 @@ import torch
 import zstandard
 
 from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, ShardIndexError
-from executor.shards._cache import ShardCache, ShardDescriptor
-from executor.shards._session import ShardSession
-from executor.transfer._fetch import TransferConfig
+from executor.shards import ShardCache, ShardDescriptor, ShardSession
+from executor.transfer import TransferConfig
 from settings import Settings
 from tests.support.http_server import FaultServer
 

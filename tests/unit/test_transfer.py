@@ -22,7 +22,7 @@ import pytest
 from executor.errors import DownloadFailed, HashMismatch, InvalidRequest, Stopped, UploadFailed
 from executor.fileio import MIB
 from executor.stopping import StopSignal
-from executor.transfer._fetch import (
+from executor.transfer import (
     FetchResult,
     TransferConfig,
     fetch,
@@ -731,7 +731,7 @@ def test_config_from_settings() -> None:
 
 
 def test_remote_size(server: FaultServer, root: Path, blob: tuple[str, str]) -> None:
-    from executor.transfer._fetch import remote_size
+    from executor.transfer import remote_size
 
     relpath, _ = blob
     assert remote_size(server.url(relpath, SECRET_QUERY), config=FAST) == 4 * MIB
