@@ -9,7 +9,7 @@ fetched to disk side by side in one run, the methods interleaved run by run:
   allocation mode on ext4, so it is not charged for writing zeros first);
 - ``requests loop``: ``requests.get(stream=True)`` + ``iter_content(1 MiB)`` + ``write``;
 - ``roundhouse``: :func:`executor.transfer.fetch` with its default settings (files of 64 MiB
-  and more split into 8 ranged GETs when the first connection is slow, stream.PROBE_BYTES),
+  and more split into 8 ranged GETs when the first connection is slow, transfer._stream.PROBE_BYTES),
   the same forced to split (``parallel_below_bytes_s=0``), with one connection, and with the
   sha256 checked (against ``curl`` + ``sha256sum``).
 

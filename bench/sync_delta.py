@@ -38,7 +38,7 @@ CHILD = r"""
 import json, sys, time
 sys.path.insert(0, {repo!r})
 import torch
-from executor.delta._apply import apply_sync_delta
+from executor.delta import apply_sync_delta
 from bench.seed_apply import seed_apply
 mode, model, delta, base_hash, result_hash = sys.argv[1:6]
 started = time.monotonic()

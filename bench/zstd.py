@@ -6,7 +6,7 @@ side in one run, by:
 
 - ``zstd -d -T1 -f packed -o out`` (the CLI, one thread: the reference);
 - the shard cache's decode step (``ShardCache._decompress``: probe, reservation, streamed
-  decode through one reused 4 MiB buffer, size check, atomic rename);
+  decode through one reused 1 MiB buffer, size check, atomic rename);
 - ``ShardCache.acquire`` of the same shard from a local path (copy into the cache, decode,
   ledger, pin): what a round pays on a miss when the bytes are already on the host.
 

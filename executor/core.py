@@ -10,12 +10,10 @@ are the seed's, with keyword-only additions.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,46 +21,41 @@ from functools import partial
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from executor import placement, transfer
 from executor.delta import file_state_hash
-from executor.errors import CleanupFailed, InvalidRequest
-from executor.fileio import atomic_write_json, tree_bytes
-from executor.modelfile import ModelFiles
-from executor.results import (
-    ApplyOutcome,
-    ApplyVia,
-    ExecutorState,
-    LoadResult,
-    RoundResult,
-)
+from executor.errors import CleanupFailed, ErrorInfo, InvalidRequest
+from executor.fileio import MIB, own_dir, tree_bytes
+from executor.modelfile import InstalledModel, ModelFiles
+from executor.results import ApplyOutcome, ExecutorState, LoadResult, RoundResult
 from executor.rounds import (
+    InThreadRunner,
     RoundOutcome,
-    RoundOutputs,
+    RoundRunner,
     RoundSpec,
-    SessionView,
-    ThreadRound,
+    failure,
     round_result,
-    session_namespace,
     ship_delta,
     validate_script,
 )
-from executor.sandbox import Isolation
+from executor.sandbox import SandboxedRunner
 from executor.session import (
+    LoadArgs,
     Session,
-    check_int,
     check_load_args,
-    check_params,
+    check_round_args,
+    check_update_args,
+    drop_manifest,
     parse_delta_dtype,
     session_from_manifest,
+    write_manifest,
 )
 from executor.shards import ShardCache, ShardDescriptor, ShardSession
-from executor.stopping import DoneThread, StopSignal, UserCodeShield
+from executor.stopping import DoneThread, StopSignal
 from settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
-
-MANIFEST_NAME = "session.json"
 
 StatsCallback = Callable[[dict[str, Any]], None]
 LogCallback = Callable[[str], None]
@@ -90,44 +83,39 @@ class Executor:
         self._emit_log = emit_log
         self._emit_state = emit_state or (lambda _data: None)
         self._host_id = host_id or self.settings.host_id
-        self._sandboxed = sandboxed
         self._stage_first_shard = (
             self.settings.stage_first_shard if stage_first_shard is None else stage_first_shard
         )
-        base = work_dir or self.settings.work_dir
-        os.makedirs(base, exist_ok=True)
-        if session_dir is not None:
-            os.makedirs(session_dir, mode=0o700, exist_ok=True)
-            self._tmpdir = session_dir
-        else:
-            self._tmpdir = tempfile.mkdtemp(prefix="task-", dir=base)
+        self._tmpdir = own_dir(work_dir or self.settings.work_dir, session_dir, prefix="task-")
+        self._transfer = transfer.TransferConfig.from_settings(self.settings)
         cache_mb = self.settings.shard_cache_max_mb if shard_cache_max_mb is None else shard_cache_max_mb
         # <= 0 keeps the seed's meaning: no shared cache and no prefetch; shards live in the work dir.
         self._cache_private = cache_mb <= 0
-        self._transfer = transfer.TransferConfig.from_settings(self.settings)
         self._cache = ShardCache(
             os.path.join(self._tmpdir, "private-shards")
             if self._cache_private
             else (cache_dir or self.settings.cache_dir),
-            max(cache_mb, 1) * 1024 * 1024 if not self._cache_private else 1 << 62,
+            cache_mb * MIB if not self._cache_private else 1 << 62,
             transfer_config=self._transfer,
             wait_timeout_s=self.settings.cache_wait_timeout_s,
         )
         self._stop_event = StopSignal()
-        self._shield = UserCodeShield(self._stop_event)
-        self._models = ModelFiles(
-            self._tmpdir,
-            transfer_config=self._transfer,
-            abort=self._stop_event,
-            bundle_max_bytes=self.settings.bundle_max_bytes,
-            bundle_max_files=self.settings.bundle_max_files,
-            progress=self._progress_reporter,
+        self._models = ModelFiles.for_settings(
+            self._tmpdir, self.settings, abort=self._stop_event, progress=self._progress_reporter
         )
         self._models.clean_leftovers()
+        self._runner = self._round_runner(sandboxed)
         self._thread: DoneThread | None = None
-        # The sandboxed runner's manager (DESIGN §8), or None for in-thread execution.
-        self._isolation = (
-            Isolation.for_settings(
+        self._session: Session | None = None
+        self._round = RoundSpec(100, 0, 1, 0, "training")
+        self._outcome: RoundOutcome | None = None
+        self.original_state: dict[str, torch.Tensor] | None = None
+        self.modified_state: dict[str, torch.Tensor] | None = None
+
+    def _round_runner(self, sandboxed: bool) -> RoundRunner:
+        """The sandboxed runner (DESIGN §8), or a thread of this process when trusted."""
+        if sandboxed:
+            return SandboxedRunner.for_settings(
                 self.settings,
                 self._tmpdir,
                 self._models.model_dir,
@@ -135,24 +123,20 @@ class Executor:
                 emit_log=self._emit_log,
                 emit_stats=self._emit_stats,
             )
-            if sandboxed
-            else None
+        return InThreadRunner(
+            self._stop_event,
+            host_id=self._host_id,
+            offload_dir=os.path.join(self._tmpdir, "model-offload"),
+            emit_stats=self._emit_stats,
+            emit_log=self._emit_log,
         )
-        self._session: Session | None = None
-        self._round = RoundSpec(100, 0, 1, 0, "training")
-        self._stopped = False
-        self.original_state: dict[str, torch.Tensor] | None = None
-        self.modified_state: dict[str, torch.Tensor] | None = None
-        self.training_time: float = 0.0
-        self.report: dict[str, Any] | None = None
-        self.execution_error: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ properties
 
     @property
     def sandbox_mode(self) -> str:
         """``bwrap`` | ``unshare`` when tenant code runs sandboxed, ``off`` when in-thread."""
-        return self._isolation.mode if self._isolation is not None else "off"
-
-    # ------------------------------------------------------------ properties
+        return self._runner.mode
 
     @property
     def work_dir(self) -> str:
@@ -180,6 +164,21 @@ class Executor:
     def is_running(self) -> bool:
         return bool(self._thread and self._thread.running)
 
+    # The seed's attributes for the last round, read from its one outcome.
+
+    @property
+    def execution_error(self) -> dict[str, Any] | None:
+        error = self._outcome.error if self._outcome is not None else None
+        return error.to_json() if error is not None else None
+
+    @property
+    def report(self) -> dict[str, Any] | None:
+        return self._outcome.report if self._outcome is not None else None
+
+    @property
+    def training_time(self) -> float:
+        return self._outcome.training_time if self._outcome is not None else 0.0
+
     # ------------------------------------------------------------ load phase
 
     def load(
@@ -206,19 +205,40 @@ class Executor:
         args = check_load_args(model_url, dataset_shards, batch_size, params, initial_shard_index, tenant)
         if not self._cache_private:
             self._cache.check_fits(args.descriptors)
-        # Everything is fetched and checked beside the current session; it is replaced only
-        # once the new one is complete, so a bad model or shard leaves the old one intact.
+        model, dataset, staged, artifact = self._stage_session(model_url, args)
+        self._session = session = Session(
+            tenant=args.tenant,
+            model_url=model_url,
+            model=model,
+            code=code,
+            compiled=compiled,
+            params=args.params,
+            batch_size=args.batch_size,
+            dataset=dataset,
+        )
+        write_manifest(session, self._tmpdir)
+        self._runner.open(session, warm=True)  # warm: torch and CUDA load now, not in round 1
+        self.original_state = self.modified_state = None
+        self._outcome = None
+        logger.info("load complete: %d keys, hash %s", artifact.keys, model.model_hash)
+        return LoadResult(
+            model.model_hash,
+            artifact.keys,
+            artifact.bytes,
+            staged,
+            time.monotonic() - started,
+            artifact.source_format,
+        )
+
+    def _stage_session(
+        self, model_url: str, args: LoadArgs
+    ) -> tuple[InstalledModel, ShardSession, int | None, Any]:
+        """Fetch and check the model and the first shard beside the current session; replace it
+        only once the new one is complete, so a bad model or shard leaves the old one intact."""
         with self._models.staging() as staging:
             artifact = self._models.fetch(model_url, "model", staging)
             model_hash = file_state_hash(artifact.model_path)
-            dataset = ShardSession(
-                self._cache,
-                args.tenant,
-                args.descriptors,
-                abort=self._stop_event,
-                progress=self._progress_reporter("shard"),
-                retain=not self._cache_private,
-            )
+            dataset = self._dataset(args.tenant, args.descriptors)
             if self._session is not None:
                 self._session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)  # free its pins
             staged = None
@@ -227,39 +247,21 @@ class Executor:
                     staged = dataset.stage(args.initial_shard_index % len(args.descriptors))
                 self._close_session()
                 # A crash from here on must not rehydrate the old session onto the new model.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._manifest_path)
+                drop_manifest(self._tmpdir)
                 model = self._models.install(artifact, model_hash)
             except BaseException:
                 dataset.close(timeout_s=self.settings.stop_join_timeout_s)
                 raise
-        self._session = Session(
-            tenant=args.tenant,
-            model_url=model_url,
-            model_path=model.path,
-            bundle_root=model.bundle_root,
-            preprocessor_config=model.preprocessor_config,
-            code=code,
-            compiled=compiled,
-            params=args.params,
-            batch_size=args.batch_size,
-            model_hash=model_hash,
-            fingerprint=model.fingerprint,
-            dataset=dataset,
-        )
-        self._write_manifest()
-        if self._isolation is not None:
-            self._isolation.start(self._session)  # warm: torch and CUDA load now, not in round 1
-        self.original_state = self.modified_state = None
-        self.training_time = 0.0
-        logger.info("load complete: %d keys, hash %s", artifact.keys, model_hash)
-        return LoadResult(
-            model_hash,
-            artifact.keys,
-            artifact.bytes,
-            staged,
-            time.monotonic() - started,
-            artifact.source_format,
+        return model, dataset, staged, artifact
+
+    def _dataset(self, tenant: str, descriptors: list[ShardDescriptor]) -> ShardSession:
+        return ShardSession(
+            self._cache,
+            tenant,
+            descriptors,
+            abort=self._stop_event,
+            progress=self._progress_reporter("shard"),
+            retain=not self._cache_private,
         )
 
     def _progress_reporter(self, what: str) -> Callable[[int, int | None], None]:
@@ -267,10 +269,6 @@ class Executor:
             self._emit_state({"phase": "download", "what": what, "done": done, "total": total})
 
         return report
-
-    @property
-    def _manifest_path(self) -> str:
-        return os.path.join(self._tmpdir, MANIFEST_NAME)
 
     def rehydrate(self) -> bool:
         """Carry on with the session a previous process left in this work dir.
@@ -280,31 +278,18 @@ class Executor:
         when there is nothing usable.
         """
         session = session_from_manifest(
-            self._manifest_path,
-            self._models.model_dir,
+            self._tmpdir,
+            self._models,
             max_script_bytes=self.settings.max_script_bytes,
-            dataset=lambda tenant, descriptors: ShardSession(
-                self._cache, tenant, descriptors, abort=self._stop_event,
-                progress=self._progress_reporter("shard"), retain=not self._cache_private,
-            ),
-        )  # fmt: skip
+            dataset=self._dataset,
+        )
         if session is None:
             return False
         self._session = session
-        if self._isolation is not None:
-            self._isolation.adopt(session)
-        self._write_manifest()
+        self._runner.open(session, warm=False)
+        write_manifest(session, self._tmpdir)
         logger.info("rehydrated the session of tenant %s (model %s)", session.tenant, session.model_hash)
         return True
-
-    def _write_manifest(self) -> None:
-        if self._session is None:
-            return
-        try:
-            atomic_write_json(self._manifest_path, self._session.manifest())
-        except (TypeError, ValueError):
-            # Library callers may pass params JSON cannot hold; the manifest is then skipped.
-            logger.warning("session manifest not written: params are not JSON-serialisable")
 
     # ------------------------------------------------------------ execution phase
 
@@ -316,49 +301,27 @@ class Executor:
         mode: str = "training",
         step_offset: int = 0,
     ) -> None:
-        """Start tenant code in a background thread (or the sandboxed runner)."""
+        """Start tenant code in a background thread (in-thread or in the sandboxed runner)."""
         if self.is_running():
             logger.warning("Executor already running")
             return
-        if self._session is None:
-            raise InvalidRequest("no model is loaded: send load_model first")
-        if mode not in ("training", "inference"):
-            raise InvalidRequest(f"mode must be 'training' or 'inference', got {mode!r}")
-        for name, value in (("steps", steps), ("round_num", round_num), ("total_rounds", total_rounds)):
-            check_int(name, value, 0)
-        self._round = RoundSpec(steps, round_num, total_rounds, max(0, int(step_offset)), mode)
-        self._stopped = False
-        self.execution_error = None
-        self.report = None
+        self._require_session()
+        self._round = check_round_args(steps, round_num, total_rounds, mode, step_offset)
+        self._outcome = None
         self.modified_state = None
-        self.training_time = 0.0
         self._stop_event.clear()
-        session = self._require_session()
-        isolation = self._isolation
-        if isolation is not None:
-            spec = self._round
-            self._thread = DoneThread(
-                lambda: self._round_done(isolation.run_round(spec, self._stop_event)), "executor"
-            )
-            self._thread.start()
-            return
-        runner = ThreadRound(
-            session.compiled,
-            self._namespace,
-            training=mode == "training",
-            shield=self._shield,
-            emit_log=self._emit_log,
-            on_done=self._round_done,
-        )
-        self._thread = runner.thread
-        runner.start()
+        self._thread = DoneThread(partial(self._play, self._round), "executor")
+        self._thread.start()
 
-    def _round_done(self, outcome: RoundOutcome) -> None:
-        self._stopped = outcome.stopped
-        self.execution_error = outcome.error
+    def _play(self, spec: RoundSpec) -> None:
+        started = time.monotonic()
+        try:
+            outcome = self._runner.run_round(spec, self._stop_event)
+        except BaseException as exc:  # the runner itself failed (it could not start, say)
+            logger.exception("round runner failed")
+            outcome = RoundOutcome.failed(failure(exc), time.monotonic() - started)
         self.modified_state = outcome.trained
-        self.report = outcome.report
-        self.training_time = outcome.training_time
+        self._outcome = outcome
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until tenant code finishes (or ``timeout_s`` passes); True when it has."""
@@ -381,31 +344,6 @@ class Executor:
         self.wait()
         return self.finish_round(delta_url=delta_url, delta_dtype=str(dtype).removeprefix("torch."))
 
-    def _namespace(self, outputs: RoundOutputs) -> dict[str, Any]:
-        session = self._require_session()
-        view = SessionView(
-            model_path=session.model_path,
-            bundle_root=session.bundle_root,
-            preprocessor_config=session.preprocessor_config,
-            params=session.params,
-            batch_size=session.batch_size,
-            num_shards=session.dataset.num_shards,
-            host_id=self._host_id,
-            offload_dir=os.path.join(self._tmpdir, "model-offload"),
-        )
-        return session_namespace(
-            view,
-            self._round,
-            get_shard=self.get_shard,
-            emit_stats=self._emit_stats,
-            emit_log=self._emit_log,
-            stop_signal=self._stop_event,
-            outputs=outputs,
-            shield=self._shield.callback,
-        )
-
-    # ------------------------------------------------------------ finishing a round
-
     def finish_round(self, *, delta_url: str | None = None, delta_dtype: str = "float16") -> RoundResult:
         """The result of the round that just ended, with its trained delta written (and uploaded)."""
         if self.is_running():
@@ -424,13 +362,9 @@ class Executor:
             transfer_config=self._transfer,
             abort=self._stop_event,
         )
+        outcome = self._outcome or RoundOutcome.failed(ErrorInfo(InvalidRequest.code, "no round has run"))
         result = round_result(
-            stopped=self._stopped,
-            error=self.execution_error,
-            training_time=self.training_time,
-            report=self.report,
-            round_num=self._round.round_num,
-            ship=ship if self._round.mode == "training" else None,
+            outcome, round_num=self._round.round_num, ship=ship if self._round.training else None
         )
         # The stop was aimed at the round that just ended; the next sync must not inherit it.
         self._stop_event.clear()
@@ -455,44 +389,25 @@ class Executor:
         started = time.monotonic()
         if self.is_running():
             raise InvalidRequest("a round is running on this worker: stop it before apply_delta")
-        new_params = check_params(params) if params is not None else None
-        descriptors = (
-            [ShardDescriptor.parse(d) for d in dataset_shards] if dataset_shards is not None else None
-        )
+        new_params, descriptors = check_update_args(params, dataset_shards)
         self.original_state = self.modified_state = None
         placement.empty_device_cache()
         session = self._session
-        if (
-            session is not None
-            and result_hash
-            and session.model_hash == result_hash
-            and session.file_unchanged()
-        ):
-            self._update_session(new_params, descriptors)
-            return ApplyOutcome(ApplyVia.DELTA, result_hash, time.monotonic() - started, noop=True)
-        via, model_hash, reason = self._models.sync(session, model_url, delta_url, base_hash, result_hash)
-        self._update_session(new_params, descriptors)
-        return ApplyOutcome(via, model_hash, time.monotonic() - started, reason)
-
-    def _update_session(
-        self, params: dict[str, Any] | None, descriptors: list[ShardDescriptor] | None
-    ) -> None:
-        session = self._session
-        if session is None:
-            return
-        if params is not None:
-            session.params = params
-        if descriptors is not None:
-            session.dataset.replace_descriptors(descriptors)
-        self._write_manifest()
+        synced = self._models.sync(
+            session.model if session else None, model_url, delta_url, base_hash, result_hash
+        )
+        if session is not None:
+            session.update(synced.model, new_params, descriptors)
+            write_manifest(session, self._tmpdir)
+        return ApplyOutcome(
+            synced.via, synced.model.model_hash, time.monotonic() - started, synced.reason, synced.noop
+        )
 
     # ------------------------------------------------------------ model and data access
 
     def get_original_state(self) -> dict[str, torch.Tensor] | None:
         """The pre-round state from the model file (mmap-backed, loaded on demand)."""
         if self.original_state is None and self._session is not None:
-            from safetensors.torch import load_file
-
             self.original_state = load_file(self._session.model_path)
         return self.original_state
 
@@ -514,14 +429,12 @@ class Executor:
     def stop(self) -> None:
         """Stop the round cooperatively: signal, interrupt tenant code, end the runner, join."""
         self._stop_event.set()
-        if self._isolation is not None:
-            # The runner gets the stop too; its watchdog kills the sandbox after the grace period.
-            self._isolation.request_stop()
+        self._runner.interrupt()
         deadline = time.monotonic() + self.settings.stop_join_timeout_s
         thread = self._thread
         # Re-deliver periodically: tenant code may catch one StopExecution in a bare except.
         while thread is not None and thread.running and time.monotonic() < deadline:
-            self._shield.interrupt()
+            self._runner.interrupt()
             thread.wait(0.25)
         session = self._session
         if session is not None:
@@ -550,7 +463,7 @@ class Executor:
         if owner and not self._cache_private:
             wiped += self._cache.remove_tenant(owner)
         self.original_state = self.modified_state = None
-        self.report = self.execution_error = None
+        self._outcome = None
         self._thread = None
         gc.collect()
         placement.empty_device_cache()
@@ -558,8 +471,7 @@ class Executor:
 
     def _close_session(self) -> None:
         session, self._session = self._session, None
-        if self._isolation is not None:
-            self._isolation.close()
+        self._runner.close()
         if session is not None:
             session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)
 

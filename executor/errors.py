@@ -16,6 +16,7 @@ stable ``code`` (DESIGN §3). The tree::
     ├── UserCodeError                     user_code_error
     ├── GpuOutOfMemory                    gpu_oom
     ├── SandboxRunnerError                sandbox_runner_error
+    │   └── SandboxUnavailable            sandbox_runner_error  (nothing here can isolate tenant code)
     ├── SandboxProtocolError              sandbox_protocol_error
     ├── CleanupFailed                     internal_error    (reset cannot prove the round ended)
     └── Stopped                           stopped           (an explicit stop; never retried)
@@ -25,12 +26,24 @@ stable ``code`` (DESIGN §3). The tree::
 
 Every exception pickles with its message and details intact, because Celery
 serialises exceptions between the prefork child and the MainProcess.
+
+Lower layers (the OS, zstandard, zipfile, requests, torch) raise their own exceptions;
+they enter the tree in one place, :func:`map_exceptions`, under one rule for chaining:
+the translated error is raised ``from None`` and its message carries the cause, described
+by :func:`describe` (type and text, query strings removed, bounded). The cause itself is
+dropped because its text may hold what must never reach a log or a result (a presigned
+URL's query string is a credential), and a Celery result carries only the message anyway.
+A full disk is never an artifact's or a server's fault: inside ``map_exceptions(...,
+where=...)`` it is :class:`StorageFull`, naming that place.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -107,12 +120,16 @@ class StorageFull(DownloadFailed):
     """The disk holding a download (work dir, cache dir) or a delta is full."""
 
 
-NO_SPACE_ERRNOS = (28, 122, 27)  # ENOSPC, EDQUOT, EFBIG
+# A write that failed for want of room: the disk, the user's quota, the file size limit.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def storage_full(exc: OSError, where: str) -> StorageFull:
     reason = os.strerror(exc.errno) if exc.errno else str(exc)
-    return StorageFull(f"{reason} while writing {where}", {"where": where, "errno": exc.errno})
+    return StorageFull(
+        f"{reason} while writing {where}",
+        {"where": where, "errno": exc.errno, "errno_name": errno.errorcode.get(exc.errno or 0, "")},
+    )
 
 
 class BadArtifact(RoundhouseError):
@@ -133,6 +150,10 @@ class GpuOutOfMemory(RoundhouseError):
 
 class SandboxRunnerError(RoundhouseError):
     code = "sandbox_runner_error"
+
+
+class SandboxUnavailable(SandboxRunnerError):
+    """No mechanism can isolate tenant code here, and the operator did not choose ``off``."""
 
 
 class SandboxProtocolError(RoundhouseError):
@@ -173,3 +194,52 @@ def error_info(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, StopExecution):
         return ErrorInfo(Stopped.code, "stopped by request")
     return ErrorInfo(RoundhouseError.code, f"{type(exc).__name__}: {exc}")
+
+
+_QUERY_IN_TEXT = re.compile(r"\?[^\s'\"<>()]*")
+CAUSE_CHARS = 300
+
+
+def scrub(text: str) -> str:
+    """Remove query strings from a library's message (urllib3 puts whole request paths in them)."""
+    return _QUERY_IN_TEXT.sub("?<redacted>", text)
+
+
+def describe(exc: BaseException, limit: int = CAUSE_CHARS) -> str:
+    """``exc`` as one bounded line for an error message: type, text, no query strings."""
+    text = scrub(str(exc))
+    if len(text) > limit:
+        text = text[:limit] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def into(kind: type[RoundhouseError], what: str) -> Callable[[BaseException], RoundhouseError]:
+    """A translation for :func:`map_exceptions`: ``kind("<what>: <the cause described>")``."""
+    return lambda exc: kind(f"{what}: {describe(exc)}")
+
+
+Translations = Mapping[
+    type[BaseException] | tuple[type[BaseException], ...], Callable[[BaseException], RoundhouseError]
+]
+
+
+@contextmanager
+def map_exceptions(translations: Translations, *, where: str | None = None) -> Iterator[None]:
+    """Raise what the block raises as a Roundhouse error (see the module docstring for the rule).
+
+    ``translations`` maps lower-layer exception types, tried in order, to a factory of the
+    error that replaces them (:func:`into` makes the common one). Roundhouse errors pass
+    through untouched, and so does anything no entry names. With ``where``, a full disk
+    becomes :class:`StorageFull` first, whatever the entries say.
+    """
+    try:
+        yield
+    except RoundhouseError:
+        raise
+    except Exception as exc:
+        if where is not None and isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            raise storage_full(exc, where) from None
+        for kinds, make in translations.items():
+            if isinstance(exc, kinds):
+                raise make(exc) from None
+        raise

@@ -76,3 +76,13 @@ def tree_bytes(path: str) -> int:
             except OSError:
                 continue
     return total
+
+
+def own_dir(base: str, fixed: str | None, *, prefix: str) -> str:
+    """A directory only this process writes: ``fixed`` when given (a worker's, so that a
+    replacement process finds what the last one left), else a fresh one under ``base``."""
+    os.makedirs(base, exist_ok=True)
+    if fixed is None:
+        return tempfile.mkdtemp(prefix=prefix, dir=base)
+    os.makedirs(fixed, mode=0o700, exist_ok=True)
+    return fixed

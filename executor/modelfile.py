@@ -13,35 +13,60 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from executor import artifacts, transfer
 from executor.delta import apply_sync_delta, file_state_hash
 from executor.errors import NO_SPACE_ERRNOS, BadArtifact, HashMismatch, Stopped, error_info, storage_full
 from executor.fileio import TEMP_SUFFIX, remove_quietly
 from executor.results import ApplyVia
-from executor.session import Fingerprint, Session, model_fingerprint
 from executor.transfer import Progress
+
+if TYPE_CHECKING:
+    from settings import Settings
 
 logger = logging.getLogger(__name__)
 
 MODEL_DIRNAME = "model"  # model.safetensors and bundle/; the sandbox sees this dir read-only
-MODEL_FILENAME = "model.safetensors"
-BUNDLE_DIRNAME = "bundle"
+
+Fingerprint = tuple[int, int, int]
+
+
+def model_fingerprint(path: str) -> Fingerprint:
+    """Identity of the model file as this process wrote it (inode, size, mtime)."""
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
 class InstalledModel:
-    """A model file now in place, with what later rounds need to know about it."""
+    """A model file in place, with its hash and what later rounds need to know about it."""
 
     path: str
     bundle_root: str | None
-    preprocessor_config: dict[str, object]
+    preprocessor_config: Mapping[str, Any]
     model_hash: str
     fingerprint: Fingerprint
-    artifact: artifacts.ModelArtifact
+
+    def file_unchanged(self) -> bool:
+        """Whether the file is still the one whose hash we hold."""
+        try:
+            return model_fingerprint(self.path) == self.fingerprint
+        except FileNotFoundError:
+            return False
+
+
+@dataclass(frozen=True)
+class Synced:
+    """What a sync left in place, how, and why not by delta when it was not."""
+
+    via: ApplyVia
+    model: InstalledModel
+    reason: str | None
+    noop: bool = False
 
 
 class ModelFiles:
@@ -63,6 +88,24 @@ class ModelFiles:
         self._bundle_max_bytes = bundle_max_bytes
         self._bundle_max_files = bundle_max_files
         self._progress = progress
+
+    @classmethod
+    def for_settings(
+        cls,
+        work_dir: str,
+        settings: Settings,
+        *,
+        abort: threading.Event,
+        progress: Callable[[str], Progress] | None = None,
+    ) -> ModelFiles:
+        return cls(
+            work_dir,
+            transfer_config=transfer.TransferConfig.from_settings(settings),
+            abort=abort,
+            bundle_max_bytes=settings.bundle_max_bytes,
+            bundle_max_files=settings.bundle_max_files,
+            progress=progress,
+        )
 
     def clean_leftovers(self) -> int:
         """At start: temp files and the staging dir of a process that died writing them.
@@ -137,10 +180,10 @@ class ModelFiles:
 
     def install(self, artifact: artifacts.ModelArtifact, model_hash: str) -> InstalledModel:
         """Move a staged model (and its bundle) into the model dir; each move is atomic."""
-        target = os.path.join(self.model_dir, MODEL_FILENAME)
+        target = os.path.join(self.model_dir, artifacts.MODEL_FILENAME)
         _readable(artifact.model_path, artifact.bundle_root)
         os.replace(artifact.model_path, target)
-        bundle_root = os.path.join(self.model_dir, BUNDLE_DIRNAME)
+        bundle_root = os.path.join(self.model_dir, artifacts.BUNDLE_DIRNAME)
         shutil.rmtree(bundle_root, ignore_errors=True)
         if artifact.bundle_root is not None:
             os.replace(artifact.bundle_root, bundle_root)
@@ -150,7 +193,30 @@ class ModelFiles:
             dict(artifact.preprocessor_config),
             model_hash,
             model_fingerprint(target),
-            artifact,
+        )
+
+    def installed(
+        self, recorded_hash: str, recorded: Sequence[object], preprocessor_config: Mapping[str, Any]
+    ) -> InstalledModel | None:
+        """The model a previous process left in the model dir (None when there is none).
+
+        Its recorded hash is trusted only while the file is the one it was recorded for
+        (inode, size, mtime); otherwise the hash is recomputed from the file.
+        """
+        path = os.path.join(self.model_dir, artifacts.MODEL_FILENAME)
+        try:
+            fingerprint = model_fingerprint(path)
+        except OSError:
+            return None
+        # Replaced since it was recorded: an apply that crashed late.
+        model_hash = recorded_hash if list(fingerprint) == list(recorded) else file_state_hash(path)
+        bundle_root = os.path.join(self.model_dir, artifacts.BUNDLE_DIRNAME)
+        return InstalledModel(
+            path,
+            bundle_root if os.path.isdir(bundle_root) else None,
+            dict(preprocessor_config),
+            model_hash,
+            fingerprint,
         )
 
     def download(self, model_url: str, what: str, *, expect_hash: str | None = None) -> InstalledModel:
@@ -167,42 +233,38 @@ class ModelFiles:
 
     def sync(
         self,
-        session: Session | None,
+        current: InstalledModel | None,
         model_url: str,
         delta_url: str | None,
         base_hash: str | None,
         result_hash: str | None,
-    ) -> tuple[ApplyVia, str, str | None]:
-        """The delta path, else the full download; returns (via, model hash, why not the delta).
-
-        ``session`` (when loaded) is updated to the new model file.
-        """
+    ) -> Synced:
+        """The delta path on ``current`` (the installed model), else the full download; nothing
+        when ``current`` already is the result (a redelivered apply)."""
+        if (
+            current is not None
+            and result_hash
+            and current.model_hash == result_hash
+            and current.file_unchanged()
+        ):
+            return Synced(ApplyVia.DELTA, current, None, noop=True)
         reason: str | None = "no delta offered"
         if delta_url and base_hash and result_hash:
-            if session is None:
+            if current is None:
                 reason = "no local base model"
             else:
-                known = session.model_hash if session.file_unchanged() else None
                 reason = self.apply_sync(
-                    session.model_path,
+                    current.path,
                     delta_url,
                     base_hash=base_hash,
                     result_hash=result_hash,
-                    known_hash=known,
+                    known_hash=current.model_hash if current.file_unchanged() else None,
                 )
-        if reason is None and session is not None and result_hash:
-            session.model_hash = result_hash
-            session.fingerprint = model_fingerprint(session.model_path)
-            return ApplyVia.DELTA, result_hash, None
+        if reason is None and current is not None and result_hash:
+            model = replace(current, model_hash=result_hash, fingerprint=model_fingerprint(current.path))
+            return Synced(ApplyVia.DELTA, model, None)
         logger.warning("sync: %s; downloading the full model", reason)
-        model = self.download(model_url, "model-full", expect_hash=result_hash)
-        if session is not None:
-            session.model_path = model.path
-            session.model_hash = model.model_hash
-            session.fingerprint = model.fingerprint
-            session.bundle_root = model.bundle_root
-            session.preprocessor_config = model.preprocessor_config
-        return ApplyVia.FULL, model.model_hash, reason
+        return Synced(ApplyVia.FULL, self.download(model_url, "model-full", expect_hash=result_hash), reason)
 
     def apply_sync(
         self, model_path: str, delta_url: str, *, base_hash: str, result_hash: str, known_hash: str | None

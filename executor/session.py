@@ -6,9 +6,10 @@ refused before anything on disk or in memory changes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -16,19 +17,14 @@ from typing import Any
 import torch
 
 from executor.errors import InvalidRequest, RoundhouseError
+from executor.fileio import atomic_write_json, read_json
+from executor.modelfile import InstalledModel, ModelFiles
+from executor.rounds import RoundSpec, validate_script
 from executor.shards import ShardDescriptor, ShardSession, check_tenant
 
 logger = logging.getLogger(__name__)
 
 DELTA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-Fingerprint = tuple[int, int, int]
-
-
-def model_fingerprint(path: str) -> Fingerprint:
-    """Identity of the model file as this process wrote it (inode, size, mtime)."""
-    st = os.stat(path)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def parse_delta_dtype(name: object) -> torch.dtype:
@@ -60,6 +56,35 @@ class LoadArgs:
     initial_shard_index: int
 
 
+def check_round_args(
+    steps: object, round_num: object, total_rounds: object, mode: object, step_offset: object
+) -> RoundSpec:
+    """``run_round``'s arguments as a spec; a negative ``step_offset`` counts as 0 (the seed's)."""
+    if mode not in ("training", "inference"):
+        raise InvalidRequest(f"mode must be 'training' or 'inference', got {mode!r}")
+    return RoundSpec(
+        check_int("steps", steps, 0),
+        check_int("round_num", round_num, 0),
+        check_int("total_rounds", total_rounds, 0),
+        max(0, check_int("step_offset", step_offset, -(2**62))),
+        str(mode),
+    )
+
+
+def check_update_args(
+    params: object, dataset_shards: object
+) -> tuple[dict[str, Any] | None, list[ShardDescriptor] | None]:
+    """``apply_delta``'s optional replacements: None leaves what the session has."""
+    if dataset_shards is not None and (
+        not isinstance(dataset_shards, Sequence) or isinstance(dataset_shards, (str, bytes))
+    ):
+        raise InvalidRequest("dataset_shards must be a list of URLs or descriptors")
+    return (
+        check_params(params) if params is not None else None,
+        [ShardDescriptor.parse(d) for d in dataset_shards] if dataset_shards is not None else None,
+    )
+
+
 def check_load_args(
     model_url: object,
     dataset_shards: object,
@@ -86,25 +111,45 @@ def check_load_args(
 
 @dataclass
 class Session:
+    """The loaded session; ``model`` is replaced whole when a sync installs a new file."""
+
     tenant: str
     model_url: str
-    model_path: str
-    bundle_root: str | None
-    preprocessor_config: dict[str, Any]
+    model: InstalledModel
     code: str
     compiled: CodeType
     params: dict[str, Any]
     batch_size: int
-    model_hash: str
-    fingerprint: Fingerprint
     dataset: ShardSession
 
-    def file_unchanged(self) -> bool:
-        """Whether the model file is still the one whose hash we hold."""
-        try:
-            return model_fingerprint(self.model_path) == self.fingerprint
-        except FileNotFoundError:
-            return False
+    @property
+    def model_path(self) -> str:
+        return self.model.path
+
+    @property
+    def bundle_root(self) -> str | None:
+        return self.model.bundle_root
+
+    @property
+    def preprocessor_config(self) -> Mapping[str, Any]:
+        return self.model.preprocessor_config
+
+    @property
+    def model_hash(self) -> str:
+        return self.model.model_hash
+
+    def update(
+        self,
+        model: InstalledModel,
+        params: dict[str, Any] | None,
+        descriptors: list[ShardDescriptor] | None,
+    ) -> None:
+        """After a sync: the model now in place, and the params and shards it replaced (if any)."""
+        self.model = model
+        if params is not None:
+            self.params = params
+        if descriptors is not None:
+            self.dataset.replace_descriptors(descriptors)
 
     def manifest(self) -> dict[str, Any]:
         """What a replacement process needs to carry on with this session (kept in the work dir)."""
@@ -112,11 +157,11 @@ class Session:
             "v": 1,
             "tenant": self.tenant,
             "model_url": self.model_url,
-            "preprocessor_config": self.preprocessor_config,
+            "preprocessor_config": dict(self.preprocessor_config),
             "model_path": self.model_path,
             "bundle_root": self.bundle_root,
             "model_hash": self.model_hash,
-            "fingerprint": list(self.fingerprint),
+            "fingerprint": list(self.model.fingerprint),
             "code": self.code,
             "params": self.params,
             "batch_size": self.batch_size,
@@ -124,34 +169,44 @@ class Session:
         }
 
 
+MANIFEST_NAME = "session.json"
+
+
+def write_manifest(session: Session, work_dir: str) -> None:
+    """Keep what a replacement process needs beside the model (atomically)."""
+    try:
+        atomic_write_json(os.path.join(work_dir, MANIFEST_NAME), session.manifest())
+    except (TypeError, ValueError):
+        # Library callers may pass params JSON cannot hold; the manifest is then skipped.
+        logger.warning("session manifest not written: params are not JSON-serialisable")
+
+
+def drop_manifest(work_dir: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(work_dir, MANIFEST_NAME))
+
+
 def session_from_manifest(
-    manifest_path: str,
-    model_dir: str,
+    work_dir: str,
+    models: ModelFiles,
     *,
     max_script_bytes: int,
     dataset: Callable[[str, list[ShardDescriptor]], ShardSession],
 ) -> Session | None:
-    """The session a manifest describes, or None when it (or its model file) is not usable.
-
-    The recorded model hash is trusted only while the file is the one the manifest
-    describes (inode, size, mtime); otherwise it is recomputed from the file.
-    """
-    from executor.delta import file_state_hash
-    from executor.fileio import read_json
-    from executor.rounds import validate_script
-
-    model_path = os.path.join(model_dir, "model.safetensors")
+    """The session a manifest describes, or None when it (or its model file) is not usable."""
     try:
-        manifest = read_json(manifest_path)
-        fingerprint = model_fingerprint(model_path)
+        manifest = read_json(os.path.join(work_dir, MANIFEST_NAME))
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or manifest.get("v") != 1:
         return None
     try:
-        model_hash = str(manifest["model_hash"])
-        if list(fingerprint) != list(manifest.get("fingerprint", [])):
-            model_hash = file_state_hash(model_path)  # replaced since: an apply that crashed late
+        fingerprint = manifest.get("fingerprint")
+        model = models.installed(
+            str(manifest["model_hash"]),
+            fingerprint if isinstance(fingerprint, list) else [],
+            dict(manifest.get("preprocessor_config") or {}),
+        )
         args = check_load_args(
             manifest["model_url"],
             manifest["shards"],
@@ -164,18 +219,15 @@ def session_from_manifest(
     except (KeyError, TypeError, RoundhouseError) as exc:
         logger.warning("session manifest not usable: %s", exc)
         return None
-    bundle_root = os.path.join(model_dir, "bundle")
+    if model is None:
+        return None
     return Session(
         tenant=args.tenant,
         model_url=str(manifest["model_url"]),
-        model_path=model_path,
-        bundle_root=bundle_root if os.path.isdir(bundle_root) else None,
-        preprocessor_config=dict(manifest.get("preprocessor_config") or {}),
+        model=model,
         code=str(manifest["code"]),
         compiled=compiled,
         params=args.params,
         batch_size=args.batch_size,
-        model_hash=model_hash,
-        fingerprint=fingerprint,
         dataset=dataset(args.tenant, args.descriptors),
     )

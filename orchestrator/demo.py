@@ -28,13 +28,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from orchestrator.artifacts import ArtifactServer
-from orchestrator.diloco import Orchestrator, RoundSummary, Session, pick_hosts
+from orchestrator.diloco import ArtifactStore, Orchestrator, OuterOptimizer, RoundSummary, Session, pick_hosts
 from orchestrator.local import EmbeddedRedis, LocalWorker
-from orchestrator.outer import OuterOptimizer
 from orchestrator.s3 import S3Store
-from orchestrator.store import ArtifactStore
 from settings import Settings, get_settings
 from tasks.client import RoundClient
+from tasks.names import seq_key
 
 FEATURES = 16
 SHARDS = 4
@@ -86,11 +85,11 @@ def build_shards(directory: Path) -> list[tuple[str, Path]]:
 
 
 @contextmanager
-def local_cluster(base: Path, workers: int, console: Console) -> Iterator[str]:
+def local_cluster(base: Path, workers: int, console: Console, settings: Settings) -> Iterator[str]:
     """The embedded Redis and ``workers`` CPU workers; yields the broker URL."""
     redis = EmbeddedRedis(base / "redis").start()
     env = {"ROUNDHOUSE_METRICS_PORT": "0", "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "1"}
-    if "ROUNDHOUSE_SANDBOX" not in os.environ:
+    if "sandbox" not in settings.model_fields_set:  # the operator chose no sandbox mode
         from executor.sandbox import bwrap_works
 
         if not bwrap_works():
@@ -148,7 +147,7 @@ class LiveProgress:
             self.progress.reset(bar, description=f"{host} round {round_num}", loss="")
 
     def _follow(self, host: str) -> None:
-        since = int(self._client.redis.get(f"roundhouse:events:{host}:seq") or 0)
+        since = int(self._client.redis.get(seq_key(host)) or 0)
         for event in self._client.events(host, since=since, idle_timeout_s=None):
             if self._stop.is_set():
                 return
@@ -188,11 +187,13 @@ def plot(history: list[RoundSummary], path: Path) -> None:
     plt.close(figure)
 
 
-def train(args: argparse.Namespace, broker: str, base: Path, console: Console) -> list[RoundSummary]:
-    client = RoundClient(Settings(broker_url=broker, host_id="demo-orchestrator"))
+def train(
+    args: argparse.Namespace, settings: Settings, broker: str, base: Path, console: Console
+) -> list[RoundSummary]:
+    client = RoundClient(settings.model_copy(update={"broker_url": broker, "host_id": "demo-orchestrator"}))
     hosts = pick_hosts(client, args.workers)
     console.print(f"workers: {', '.join(hosts)}")
-    store = make_store(args, base)
+    store = make_store(args, settings, base)
     try:
         shards = []
         for name, path in build_shards(base):
@@ -224,14 +225,13 @@ def train(args: argparse.Namespace, broker: str, base: Path, console: Console) -
             store.stop()
 
 
-def make_store(args: argparse.Namespace, base: Path) -> ArtifactStore:
+def make_store(args: argparse.Namespace, settings: Settings, base: Path) -> ArtifactStore:
     """MinIO/S3 when ROUNDHOUSE_S3_ENDPOINT is set (the compose stack), else a local server."""
-    if os.environ.get("ROUNDHOUSE_S3_ENDPOINT"):
-        s3 = S3Store.from_env()
+    if settings.s3_endpoint:
+        s3 = S3Store.from_settings(settings)
         s3.ensure_bucket()
         return s3
-    public = os.environ.get("ROUNDHOUSE_DEMO_PUBLIC_HOST")
-    return ArtifactServer(base / "artifacts", host=args.bind, public_host=public).start()
+    return ArtifactServer(base / "artifacts", host=args.bind, public_host=settings.demo_public_host).start()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -240,23 +240,24 @@ def parser() -> argparse.ArgumentParser:
     options.add_argument("--steps", type=int, default=25)
     options.add_argument("--workers", type=int, default=2)
     options.add_argument("--out", default=os.path.join("var", "demo"))
-    options.add_argument("--bind", default=os.environ.get("ROUNDHOUSE_DEMO_BIND", "127.0.0.1"))
+    options.add_argument("--bind", default=get_settings().demo_bind)
     return options
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    settings = get_settings()
     console = Console()
     started = time.monotonic()
     with ExitStack() as stack:
         base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="roundhouse-demo-")))
-        if "ROUNDHOUSE_BROKER_URL" in os.environ:
-            broker = get_settings().broker_url
+        if "broker_url" in settings.model_fields_set:  # given, not the default
+            broker = settings.broker_url
             console.print("using the broker and the workers at ROUNDHOUSE_BROKER_URL")
         else:
             console.print(f"starting the embedded Redis and {args.workers} workers …")
-            broker = stack.enter_context(local_cluster(base, args.workers, console))
-        history = train(args, broker, base, console)
+            broker = stack.enter_context(local_cluster(base, args.workers, console, settings))
+        history = train(args, settings, broker, base, console)
     return report(history, Path(args.out) / "loss.png", console, time.monotonic() - started)
 
 

@@ -12,6 +12,17 @@ One training session over several workers:
 5. ``apply_delta`` everywhere: the workers that took part apply the delta (bit-exact,
    hash-checked); those left out are re-synced by full download; every worker must then
    report the orchestrator's hash.
+
+The outer step: each worker trains from the same global model θ and returns
+``Δ_i = θ_i − θ`` (its trained delta). The outer gradient is ``g = −mean(Δ_i)``; with
+momentum ``μ`` and learning rate ``η``: ``v ← μ v + g`` and ``θ ← θ − η (g + μ v)``
+(Nesterov) or ``θ − η v`` (plain). ``η = 1, μ = 0`` is plain averaging of the workers'
+models. Only floating tensors move.
+
+Artifacts live in an :class:`ArtifactStore` and workers reach them by URL only: either
+:class:`orchestrator.artifacts.ArtifactServer` (the orchestrator serves a directory
+itself, with signed URLs) or :class:`orchestrator.s3.S3Store` (an S3-compatible object
+store such as MinIO, with presigned URLs).
 """
 
 from __future__ import annotations
@@ -22,17 +33,73 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
 
 from executor.delta import make_sync_delta, read_delta, state_hash, write_delta
-from orchestrator.outer import OuterOptimizer, mean_delta
-from orchestrator.store import ArtifactStore
 from tasks.client import RoundClient
 
 logger = logging.getLogger(__name__)
+
+
+class ArtifactStore(Protocol):
+    """Where the orchestrator keeps artifacts; workers only ever see its URLs."""
+
+    def url_get(self, name: str, expires_s: float = ...) -> str: ...
+
+    def url_put(self, name: str, expires_s: float = ...) -> str: ...
+
+    def publish(self, name: str, source: str | os.PathLike[str]) -> str:
+        """Store a local file under ``name``; returns a GET URL for workers."""
+        ...
+
+    def fetch(self, name: str, dest: str | os.PathLike[str]) -> None:
+        """Copy what is stored under ``name`` (a worker's upload) to a local file."""
+        ...
+
+
+def mean_delta(deltas: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The elementwise mean (fp32) of the workers' deltas; a key a delta lacks counts as zero."""
+    if not deltas:
+        raise ValueError("no deltas to average")
+    keys = sorted(set().union(*deltas))
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        total: torch.Tensor | None = None
+        for delta in deltas:
+            if key in delta:
+                value = delta[key].to(torch.float32)
+                total = value.clone() if total is None else total.add_(value)
+        assert total is not None
+        out[key] = total.div_(len(deltas))
+    return out
+
+
+@dataclass
+class OuterOptimizer:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    velocity: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def step(
+        self, params: Mapping[str, torch.Tensor], avg_delta: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The next global state from the current one and the averaged delta."""
+        new: dict[str, torch.Tensor] = {}
+        for key, value in params.items():
+            if key not in avg_delta or not value.dtype.is_floating_point:
+                new[key] = value
+                continue
+            grad = -avg_delta[key].to(torch.float32)
+            velocity = self.velocity.get(key)
+            velocity = grad.clone() if velocity is None else velocity.mul_(self.momentum).add_(grad)
+            self.velocity[key] = velocity
+            update = grad + self.momentum * velocity if self.nesterov else velocity
+            new[key] = (value.to(torch.float32) - self.lr * update).to(value.dtype)
+        return new
 
 
 @dataclass
@@ -236,7 +303,3 @@ def pick_hosts(client: RoundClient, count: int, *, wait_s: float = 60.0) -> list
                 raise RuntimeError(f"wanted {count} idle workers, found {len(idle)}: {idle}")
             return sorted(idle)[:count]
         time.sleep(0.5)
-
-
-def host_list(value: str | Sequence[str]) -> list[str]:
-    return [h for h in (value.split(",") if isinstance(value, str) else value) if h]

@@ -1,11 +1,11 @@
-"""``python -m executor.demo``: the engine end to end on a tiny model, no Celery.
+"""``python -m orchestrator.engine_demo``: the engine end to end on a tiny model, no Celery.
 
 An HTTP server serves the model and three zstd microshards; one Executor loads
 them, trains a few rounds, ships each trained delta back; a minimal outer loop
 (the orchestrator's part) folds the delta into the global model, builds the fp16
 sync delta and the worker applies it with the bit-exact hash check. The loss
 per round is printed and must fall. (The full orchestrator demo with Celery
-workers is ``roundhouse demo``, a later issue.)
+workers is ``roundhouse demo``.)
 """
 
 from __future__ import annotations

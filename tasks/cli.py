@@ -21,6 +21,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from settings import get_settings
+from tasks.names import queue_name
 
 
 def _mask(url: str) -> str:
@@ -62,7 +63,7 @@ def worker_command(
         "1",
         "-E",
         "-Q",
-        f"roundhouse.{chosen}",
+        queue_name(chosen),
         "-n",
         node,
         *extra,
@@ -119,7 +120,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _settings(_: argparse.Namespace) -> int:
-    values = get_settings().model_dump()
+    values = get_settings().model_dump(mode="json")  # SecretStr fields come out masked
     for key in ("broker_url", "result_backend", "events_url"):
         if values.get(key):
             values[key] = _mask(values[key])

@@ -19,9 +19,20 @@ from celery.result import AsyncResult
 
 from executor.transfer import redact_url
 from settings import Settings, celery_config, get_settings
-from tasks.child import HEARTBEAT_PREFIX, heartbeat_key
 from tasks.control import send_stop
-from tasks.events import Event, channel_name, stream_name
+from tasks.events import Event
+from tasks.names import (
+    APPLY_DELTA,
+    HEARTBEAT_PATTERN,
+    LOAD_MODEL,
+    RESET,
+    RUN_ROUND,
+    STATUS,
+    channel_name,
+    heartbeat_key,
+    queue_name,
+    stream_name,
+)
 
 
 def redacted(value: Any) -> Any:
@@ -52,7 +63,7 @@ class RoundClient:
     def hosts(self, *, idle_only: bool = False) -> list[dict[str, Any]]:
         """Live workers (those whose heartbeat has not expired), optionally only idle ones."""
         found = []
-        for key in self.redis.scan_iter(match=HEARTBEAT_PREFIX + "*", count=100):
+        for key in self.redis.scan_iter(match=HEARTBEAT_PATTERN, count=100):
             raw = self.redis.get(key)
             if raw is None:
                 continue
@@ -69,7 +80,7 @@ class RoundClient:
     # ------------------------------------------------------------ tasks
 
     def _send(self, host: str, name: str, kwargs: dict[str, Any]) -> AsyncResult:
-        queue = f"roundhouse.{host}"
+        queue = queue_name(host)
         # Task events (Flower) and Celery's logs show kwargsrepr, not the kwargs: presigned
         # URLs are credentials, so they appear there without their query strings.
         result = self.app.send_task(
@@ -91,7 +102,7 @@ class RoundClient:
     ) -> AsyncResult:
         return self._send(
             host,
-            "roundhouse.load_model",
+            LOAD_MODEL,
             {
                 "model_url": model_url,
                 "dataset_shards": dataset_shards,
@@ -116,7 +127,7 @@ class RoundClient:
     ) -> AsyncResult:
         return self._send(
             host,
-            "roundhouse.run_round",
+            RUN_ROUND,
             {
                 "steps": steps,
                 "round_num": round_num,
@@ -140,7 +151,7 @@ class RoundClient:
     ) -> AsyncResult:
         return self._send(
             host,
-            "roundhouse.apply_delta",
+            APPLY_DELTA,
             {
                 "model_url": model_url,
                 "delta_url": delta_url,
@@ -152,10 +163,10 @@ class RoundClient:
         )
 
     def reset(self, host: str, tenant: str | None = None) -> AsyncResult:
-        return self._send(host, "roundhouse.reset", {"tenant": tenant})
+        return self._send(host, RESET, {"tenant": tenant})
 
     def status(self, host: str) -> AsyncResult:
-        return self._send(host, "roundhouse.status", {})
+        return self._send(host, STATUS, {})
 
     def stop(self, task_id: str, host: str | None = None) -> None:
         """Stop a task through Redis: works before it starts, and whatever the broker does."""

@@ -35,18 +35,13 @@ import redis
 from celery import bootsteps
 from celery.worker import state as worker_state
 
+from settings import get_settings
+from tasks.names import control_channel, stop_key
+
 logger = logging.getLogger(__name__)
 
 STOP_SIGNAL = signal.SIGUSR2
 STOP_KEY_TTL_S = 24 * 3600
-
-
-def stop_key(task_id: str) -> str:
-    return f"roundhouse:stop:{task_id}"
-
-
-def control_channel(host_id: str) -> str:
-    return f"roundhouse:control:{host_id}"
 
 
 def send_stop(client: redis.Redis, host_id: str, task_id: str) -> None:
@@ -91,9 +86,8 @@ class RevokeForwarder(bootsteps.StartStopStep):
         self._tref: Any = None
 
     def start(self, worker: Any) -> None:
-        from tasks.app import runtime_settings
-
-        settings = runtime_settings()
+        # Celery builds its bootsteps itself, so this one reads the process's one Settings.
+        settings = get_settings()
         self._mailbox = StopMailbox(mailbox_dir(settings.work_dir, settings.host_id))
         self._guard_terminate(worker)
         self._tref = worker.timer.call_repeatedly(settings.revoke_poll_s, self._tick, (), priority=10)

@@ -4,7 +4,7 @@ Every message goes to the channel ``roundhouse:events:<host>`` and to the stream
 ``roundhouse:events:<host>:log`` (``XADD MAXLEN ~``), with a ``seq`` that increases
 per host across processes and restarts. One Lua script assigns the seq and writes
 both at once, so a subscriber never sees a gap; a retry after a lost reply is
-recognised and not written twice.
+recognised and not written twice. (The names are in :mod:`tasks.names`.)
 
 Publishing never blocks or fails a round: :meth:`EventPublisher.emit` appends to a
 bounded buffer and returns; one thread drains it, reconnecting with backoff while
@@ -26,10 +26,11 @@ from typing import Any
 
 import redis
 
+from tasks.names import channel_name, last_sent_key, seq_key, stream_name
+
 logger = logging.getLogger(__name__)
 
 EVENT_VERSION = 1
-EVENT_TYPES = ("stats", "log", "state", "progress")
 SEQ_PLACEHOLDER = '"__roundhouse_seq__"'
 
 # KEYS: seq counter, stream, last-sent marker of this publisher.
@@ -50,18 +51,6 @@ redis.call('PUBLISH', ARGV[1], message)
 redis.call('SET', KEYS[3], ARGV[4] .. ' ' .. seq, 'EX', ARGV[5])
 return seq
 """
-
-
-def channel_name(host_id: str) -> str:
-    return f"roundhouse:events:{host_id}"
-
-
-def stream_name(host_id: str) -> str:
-    return f"roundhouse:events:{host_id}:log"
-
-
-def seq_key(host_id: str) -> str:
-    return f"roundhouse:events:{host_id}:seq"
 
 
 @dataclass(frozen=True)
@@ -130,7 +119,7 @@ class EventPublisher:
             redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=15
         )
         self._script = self._client.register_script(_PUBLISH_LUA)
-        self._marker = f"roundhouse:events:{host_id}:last:{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._marker = last_sent_key(host_id, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._maxlen = stream_maxlen
         self._buffer: deque[tuple[str, Event]] = deque()
         self._buffer_size = buffer_size

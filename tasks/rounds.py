@@ -3,6 +3,9 @@
 Idempotent under redelivery (``task_acks_late``): a task that already finished in
 this work dir returns its recorded result instead of running again, and
 ``apply_delta`` whose result hash is already in place applies nothing.
+
+The functions here are plain; :func:`register` puts them on the app under their
+contract names (``tasks.app`` calls it), so that this module never imports the app.
 """
 
 from __future__ import annotations
@@ -12,23 +15,25 @@ import os
 import time
 from typing import Any
 
-from celery import Task
+from celery import Celery, Task
 
 from executor.fileio import atomic_write_json
-from tasks.app import app, runtime, runtime_settings
+from settings import Settings
+from tasks.names import APPLY_DELTA, LOAD_MODEL, RESET, RUN_ROUND, STATUS
+from tasks.runtime import runtime
 
 
 class RoundTask(Task):
     """Base of the tasks. Acknowledged when they end; a task whose child died (the kernel's
     OOM killer, a segfault in a CUDA library) runs once more on the replacement child, then
     fails with ``WorkerLostError`` instead of looping. No other retries: the orchestrator
-    decides what to do with a failed task."""
+    decides what to do with a failed task. ``max_retries`` comes from the settings, in
+    :func:`register`."""
 
     typing = True
     acks_late = True
     reject_on_worker_lost = True
     retry_on_worker_lost = True
-    max_retries = runtime_settings().worker_lost_retries
     default_retry_delay = 1
 
 
@@ -53,7 +58,6 @@ def _remember(task_id: str, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-@app.task(name="roundhouse.load_model", bind=True, base=RoundTask)
 def load_model(
     self: Task,
     model_url: str,
@@ -75,7 +79,6 @@ def load_model(
         return _remember(task_id, result.to_json())
 
 
-@app.task(name="roundhouse.run_round", bind=True, base=RoundTask)
 def run_round(
     self: Task,
     steps: int = 100,
@@ -102,7 +105,6 @@ def run_round(
         return _remember(task_id, result)
 
 
-@app.task(name="roundhouse.apply_delta", bind=True, base=RoundTask)
 def apply_delta(
     self: Task,
     model_url: str,
@@ -125,13 +127,23 @@ def apply_delta(
         return outcome.to_json()
 
 
-@app.task(name="roundhouse.reset", bind=True, base=RoundTask)
 def reset(self: Task, tenant: str | None = None) -> dict[str, Any]:
     rt = runtime()
     with rt.task(self.request.id, "reset"):
         return {"wiped_bytes": rt.executor.reset(tenant=tenant)}
 
 
-@app.task(name="roundhouse.status", bind=True, base=RoundTask)
 def status(self: Task) -> dict[str, Any]:
     return runtime().status()
+
+
+def register(app: Celery, settings: Settings) -> None:
+    """Put the tasks on ``app`` under their contract names (DESIGN §3)."""
+    for name, run in (
+        (LOAD_MODEL, load_model),
+        (RUN_ROUND, run_round),
+        (APPLY_DELTA, apply_delta),
+        (RESET, reset),
+        (STATUS, status),
+    ):
+        app.task(run, name=name, bind=True, base=RoundTask, max_retries=settings.worker_lost_retries)

@@ -17,7 +17,6 @@ exactly as they were.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import pickle
 import shutil
@@ -31,9 +30,8 @@ import torch
 
 from executor import fileio, tensorfile
 from executor.artifacts import _bundle as bundle
-from executor.errors import BadArtifact, InvalidRequest, RoundhouseError
-
-logger = logging.getLogger(__name__)
+from executor.artifacts._extract import is_bundle_zip
+from executor.errors import BadArtifact, RoundhouseError
 
 MODEL_FILENAME = "model.safetensors"
 BUNDLE_DIRNAME = "bundle"
@@ -42,6 +40,7 @@ TORCH = "torch"
 HF_BUNDLE = "hf_bundle"
 _SUFFIXES = (".safetensors", ".zip", ".pth", ".bin", ".pt")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+_MAX_CAUSE_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,12 @@ class ModelArtifact:
         }
 
 
+def cause(exc: BaseException) -> str:
+    """An exception as one bounded line for an error message (size-mismatch reports run long)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= _MAX_CAUSE_CHARS else text[:_MAX_CAUSE_CHARS] + " ..."
+
+
 def model_suffix(url: str) -> str:
     """The model file's suffix from the URL's path (query ignored); ``.pt`` when unknown."""
     path = urlparse(url).path.lower()
@@ -87,7 +92,7 @@ def detect_format(path: str, hint: str = "") -> str:
                 names = archive.namelist()
         except (zipfile.BadZipFile, OSError) as exc:
             raise BadArtifact(f"model file looks like a zip but cannot be read: {exc}") from None
-        return HF_BUNDLE if bundle.is_bundle_zip(names) else TORCH
+        return HF_BUNDLE if is_bundle_zip(names) else TORCH
     # safetensors: u64le header length, then the JSON header's opening brace.
     if (
         len(head) >= 9
@@ -137,7 +142,7 @@ def prepare_model_artifact(
     except RoundhouseError:
         raise
     except Exception as exc:
-        raise BadArtifact(f"model artifact cannot be prepared: {bundle.cause(exc)}") from exc
+        raise BadArtifact(f"model artifact cannot be prepared: {cause(exc)}") from exc
     if source_format != SAFETENSORS:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(downloaded)
@@ -250,7 +255,7 @@ def load_torch_state(path: str) -> dict[str, torch.Tensor]:
             f"serialized modules are rejected: the checkpoint holds more than tensors ({_refusal(exc)})"
         ) from None
     except Exception as exc:
-        raise BadArtifact(f"torch checkpoint cannot be read: {bundle.cause(exc)}") from None
+        raise BadArtifact(f"torch checkpoint cannot be read: {cause(exc)}") from None
     return state_from_loaded(loaded, BadArtifact)
 
 
@@ -282,7 +287,7 @@ def _refusal(exc: BaseException) -> str:
         line = line.strip()
         if line.startswith("WeightsUnpickler error:"):
             return line.removeprefix("WeightsUnpickler error:").split(" Please use", 1)[0].strip()
-    return bundle.cause(exc)
+    return cause(exc)
 
 
 def state_from_loaded(loaded: Any, error: type[RoundhouseError]) -> dict[str, torch.Tensor]:
@@ -320,66 +325,3 @@ def load_state_file(path: str) -> dict[str, torch.Tensor]:
     except OSError as exc:
         raise BadArtifact(f"model file cannot be read: {exc}") from None
     raise BadArtifact("a Hugging Face bundle zip is not a state file; load the executor's model_path instead")
-
-
-# --- building models -----------------------------------------------------------------------
-
-
-def materialize_model(
-    loaded: Any, *, params: Mapping[str, Any], bundle_root: str | None
-) -> tuple[torch.nn.Module, list[str], list[str]]:
-    """Build the architecture locally (no hub, no remote code) and load ``loaded`` into it.
-
-    ``loaded`` is a state dict or ``{"state_dict": ...}``. With ``bundle_root`` the
-    architecture comes from the bundle's config.json, otherwise from ``params``
-    (``model_name``, ``model_backend``, ``num_classes``, ``hf_config``, ``hf_task``).
-    Returns ``(model, missing, unexpected)``; a missing key whose tensor is tied to a
-    loaded one (an LM head sharing the embedding) is not reported as missing.
-    """
-    state = state_from_loaded(loaded, InvalidRequest)
-    if bundle_root:
-        cls, config = bundle.bundle_model_class(bundle_root, params)
-        return bundle.load_hf_model(cls, config, state, BadArtifact)
-    model_name = str(params.get("model_name") or "").strip()
-    if not model_name:
-        raise InvalidRequest("a state dict without a bundle needs params.model_name")
-    backend = str(params.get("model_backend") or "timm").lower()
-    if backend == "huggingface":
-        cls, config = bundle.hf_class_from_params(params)
-        return bundle.load_hf_model(cls, config, state, InvalidRequest)
-    model = _build_vision_model(backend, model_name, params)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:
-        raise InvalidRequest(f"the state dict does not fit {model_name!r}: {bundle.cause(exc)}") from None
-    return model, _untied(model, state, list(missing)), list(unexpected)
-
-
-def _untied(model: torch.nn.Module, state: Mapping[str, torch.Tensor], missing: list[str]) -> list[str]:
-    current = model.state_dict()
-    loaded = {current[key].untyped_storage().data_ptr() for key in state if key in current}
-    loaded.discard(0)  # empty tensors all share the null pointer
-    return [key for key in missing if current[key].untyped_storage().data_ptr() not in loaded]
-
-
-def _build_vision_model(backend: str, model_name: str, params: Mapping[str, Any]) -> torch.nn.Module:
-    try:
-        classes = int(params.get("num_classes", 1000))
-    except (TypeError, ValueError):
-        raise InvalidRequest(
-            f"params.num_classes must be an integer, got {params.get('num_classes')!r}"
-        ) from None
-    try:
-        if backend == "timm":
-            import timm
-
-            return timm.create_model(model_name, pretrained=False, num_classes=classes)
-        if backend == "torchvision":
-            from torchvision import models
-
-            return models.get_model(model_name, weights=None, num_classes=classes)
-    except Exception as exc:
-        raise InvalidRequest(f"{backend} cannot build {model_name!r}: {bundle.cause(exc)}") from None
-    raise InvalidRequest(
-        f"unsupported params.model_backend {backend!r}; use timm, torchvision or huggingface"
-    )

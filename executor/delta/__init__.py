@@ -4,6 +4,10 @@
 (the orchestrator's builder), ``write_delta`` / ``read_delta`` (the wire format, both
 directions), ``apply_sync_delta`` (the worker's one-pass streaming apply) and
 ``write_result_delta`` (a round's ``trained - original``).
+
+Inside, data flows down: ``_apply`` (the streaming apply) → ``_wire`` (the zstd
+safetensors format, the seed's torch dicts, the trained delta) → ``_sync`` (the state
+hash, the apply rule, ``SyncDelta``).
 """
 
 from executor.delta._apply import apply_sync_delta
@@ -12,11 +16,9 @@ from executor.delta._sync import (
     apply_sync_delta_state,
     file_state_hash,
     make_sync_delta,
-    read_delta,
     state_hash,
-    write_delta,
-    write_result_delta,
 )
+from executor.delta._wire import read_delta, write_delta, write_result_delta
 
 __all__ = [
     "SyncDelta",

@@ -21,7 +21,7 @@ from typing import IO, Any
 import torch
 import zstandard
 
-from executor.delta import _sync as wire
+from executor.delta import _sync
 from executor.delta._sync import (
     HASH_PREFIX,
     apply_rule,
@@ -30,6 +30,7 @@ from executor.delta._sync import (
     is_floating,
     result_dtype,
 )
+from executor.delta._wire import load_torch_delta, looks_like_safetensors
 from executor.errors import BadArtifact, HashMismatch, Stopped
 from executor.fileio import atomic_writer
 from executor.tensorfile import (
@@ -85,8 +86,8 @@ class DeltaSource:
 
     def _open(self) -> dict[str, TensorSpec]:
         prefix = self._read_exact(8)
-        if not wire.looks_like_safetensors(prefix, None):
-            self._tensors = wire.load_torch_delta(prefix + self._rest())
+        if not looks_like_safetensors(prefix, None):
+            self._tensors = load_torch_delta(prefix + self._rest())
             return {n: TensorSpec(n, t.dtype, tuple(t.shape), 0, 0) for n, t in self._tensors.items()}
         header = parse_header(self._read_exact(header_length(prefix)), None)
         ordered = sorted(header.specs.values(), key=lambda s: s.name)
@@ -124,7 +125,7 @@ class DeltaSource:
 
     def _skip(self, count: int) -> None:
         while count:
-            step = min(count, wire.SLICE_BYTES)
+            step = min(count, _sync.SLICE_BYTES)
             self._read_exact(step)
             count -= step
 

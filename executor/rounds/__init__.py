@@ -1,30 +1,48 @@
 """What tenant code sees and how a round ends, identical in-thread and in the sandboxed runner.
 
-The namespace (DESIGN §9), the script guard, the in-thread runner and the round's outcome.
+- the namespace (DESIGN §9): ``session_namespace``, ``RoundSpec``, ``RoundOutputs``, ``SessionView``;
+- the guard: ``validate_script`` at ``load_model``, ``play`` to run a round's code under the
+  stop shield and classify its end;
+- the outcome: ``RoundOutcome`` (how a round ended), ``round_result`` (the task's result),
+  ``ship_delta`` (the trained delta written and uploaded);
+- the runners: the ``RoundRunner`` protocol both runners meet, and ``InThreadRunner``
+  (sandbox ``off``); the sandboxed one is :class:`executor.sandbox.SandboxedRunner`.
+
+Inside the package each module imports only those above it in this list:
+``_namespace`` → ``_outcome`` → ``_guard`` → ``_inthread``.
 """
 
-from executor.rounds._guard import execute_script, validate_script
-from executor.rounds._inthread import RoundOutcome, ThreadRound, failure
+from executor.rounds._guard import Played, execute_script, play, validate_script
+from executor.rounds._inthread import InThreadRunner
 from executor.rounds._namespace import (
     NAMESPACE_NAMES,
     RoundOutputs,
     RoundSpec,
     SessionView,
-    cpu_state,
     session_namespace,
 )
-from executor.rounds._outcome import round_result, ship_delta
+from executor.rounds._outcome import (
+    RoundOutcome,
+    RoundRunner,
+    RoundSession,
+    failure,
+    round_result,
+    ship_delta,
+)
 
 __all__ = [
     "NAMESPACE_NAMES",
+    "InThreadRunner",
+    "Played",
     "RoundOutcome",
     "RoundOutputs",
+    "RoundRunner",
+    "RoundSession",
     "RoundSpec",
     "SessionView",
-    "ThreadRound",
-    "cpu_state",
     "execute_script",
     "failure",
+    "play",
     "round_result",
     "session_namespace",
     "ship_delta",

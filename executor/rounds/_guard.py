@@ -1,5 +1,9 @@
 """The script guard: early, clear errors for tenant code, and how that code is run.
 
+:func:`play` is the one way a round's code runs, in-thread and in the sandboxed runner
+alike: under the stop shield, its end classified (completed, stopped, failed with a stable
+code) and, for a training round, its trained state resolved.
+
 This is NOT a security boundary. ``validate_script`` rejects code that cannot
 run (too large, not text, a syntax error) at ``load_model`` time, so that the
 tenant hears about it before any download or GPU time is spent. Isolation from
@@ -10,10 +14,18 @@ execution (sandbox ``off``) trusts the code with everything the worker has.
 from __future__ import annotations
 
 import ast
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-from executor.errors import ScriptRejected, UserCodeError
+import torch
+
+from executor.errors import ErrorInfo, ScriptRejected, StopExecution, Stopped, UserCodeError
+from executor.rounds._namespace import RoundOutputs, trained_state
+from executor.rounds._outcome import failure
+from executor.stopping import UserCodeShield
 
 SCRIPT_FILENAME = "<round-script>"
 
@@ -56,3 +68,50 @@ def execute_script(code: str | CodeType, namespace: dict[str, Any]) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise UserCodeError(f"code called sys.exit({exc.code!r})", {"exit_code": str(exc.code)}) from None
+
+
+@dataclass(frozen=True)
+class Played:
+    """How tenant code ended: stopped, failed (``error``), or completed (``trained`` maybe)."""
+
+    stopped: bool
+    error: ErrorInfo | None
+    trained: dict[str, torch.Tensor] | None
+    seconds: float  # tenant code only, without building the namespace's state after it
+
+
+def play(
+    compiled: CodeType,
+    build: Callable[[], dict[str, Any]],
+    outputs: RoundOutputs,
+    shield: UserCodeShield,
+    *,
+    training: bool,
+) -> Played:
+    """Build the namespace, run the code in it under ``shield``, classify the end. Never raises
+    for anything tenant code does; the namespace is cleared before returning."""
+    started = time.monotonic()
+    namespace: dict[str, Any] = {}
+    stopped, error, trained = False, None, None
+    try:
+        namespace = build()
+        shield.enter()
+        try:
+            execute_script(compiled, namespace)
+        finally:
+            shield.leave()
+    except (StopExecution, Stopped):
+        stopped = True
+    except BaseException as exc:
+        error = failure(exc)
+    seconds = time.monotonic() - started
+    try:
+        if training and not stopped and error is None:
+            trained = trained_state(outputs, namespace)
+    except StopExecution:  # a stop that raced the end of tenant code
+        stopped, trained = True, None
+    except BaseException as exc:  # what the code left in ``model`` is not a state
+        error = failure(exc)
+    finally:
+        namespace.clear()
+    return Played(stopped, error, trained, seconds)

@@ -1,7 +1,7 @@
-"""One round of tenant code in a thread of the worker process (sandbox ``off``).
+"""Rounds of tenant code in a thread of the worker process (sandbox ``off``).
 
-The thread runs the script in its namespace, classifies how it ended (completed,
-stopped, failed with a stable code) and resolves the trained state. A stop
+The round runs in the namespace every runner builds (:func:`session_namespace`), on the
+thread that calls :meth:`InThreadRunner.run_round` — the Executor's round thread. A stop
 arrives as ``StopExecution`` at the next bytecode of tenant code (see
 :class:`executor.stopping.UserCodeShield`); a long native call delays it.
 """
@@ -10,105 +10,91 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
-import traceback
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import CodeType
 from typing import Any
 
-import torch
-
 from executor import placement
-from executor.errors import RoundhouseError, StopExecution, Stopped, UserCodeError
-from executor.rounds._guard import execute_script
-from executor.rounds._namespace import RoundOutputs, cpu_state
-from executor.stopping import DoneThread, UserCodeShield
+from executor.rounds._guard import play
+from executor.rounds._namespace import RoundOutputs, RoundSpec, SessionView, session_namespace
+from executor.rounds._outcome import RoundOutcome, RoundSession
+from executor.stopping import UserCodeShield
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RoundOutcome:
-    """How a round ended, whichever runner ran it."""
+class InThreadRunner:
+    """The :class:`~executor.rounds.RoundRunner` that trusts tenant code with the worker's process."""
 
-    stopped: bool
-    error: dict[str, Any] | None
-    trained: dict[str, torch.Tensor] | None
-    report: dict[str, Any] | None
-    training_time: float
-
-
-def failure(exc: BaseException) -> dict[str, Any]:
-    """The error of a round that raised ``exc``, with its stable code."""
-    if placement.is_oom(exc):
-        return placement.oom_error(exc).to_json()
-    if isinstance(exc, RoundhouseError):
-        return exc.to_json()
-    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
-    return UserCodeError(f"{type(exc).__name__}: {exc}", {"traceback": tail[-8000:]}).to_json()
-
-
-class ThreadRound:
-    """Runs one round in a daemon thread named ``executor``; ``on_done`` gets the outcome."""
+    mode = "off"
 
     def __init__(
         self,
-        compiled: CodeType,
-        namespace: Callable[[RoundOutputs], dict[str, Any]],
+        stop: threading.Event,
         *,
-        training: bool,
-        shield: UserCodeShield,
+        host_id: str,
+        offload_dir: str,
+        emit_stats: Callable[[dict[str, Any]], None],
         emit_log: Callable[[str], None],
-        on_done: Callable[[RoundOutcome], None],
     ) -> None:
-        self._compiled = compiled
-        self._namespace = namespace
-        self._training = training
-        self._shield = shield
+        self._shield = UserCodeShield(stop)
+        self._stop = stop
+        self._host_id = host_id
+        self._offload_dir = offload_dir
+        self._emit_stats = emit_stats
         self._emit_log = emit_log
-        self._on_done = on_done
-        self.thread = DoneThread(self._main, "executor")
+        self._session: RoundSession | None = None
 
-    def start(self) -> None:
-        self.thread.start()
+    def open(self, session: RoundSession, *, warm: bool) -> None:
+        # Nothing to warm: torch and the CUDA context live in this process already.
+        self._session = session
 
-    def _main(self) -> None:
-        started = time.monotonic()
+    def close(self) -> None:
+        self._session = None
+
+    def interrupt(self) -> None:
+        # Re-delivered until the round ends: tenant code may catch one StopExecution.
+        self._shield.interrupt()
+
+    def run_round(self, spec: RoundSpec, stop: threading.Event) -> RoundOutcome:
+        session = self._session
+        if session is None:
+            raise RuntimeError("run_round before open")
         outputs = RoundOutputs()
-        namespace: dict[str, Any] = {}
-        stopped, error = False, None
         try:
-            namespace = self._namespace(outputs)
-            self._shield.enter()
-            try:
-                execute_script(self._compiled, namespace)
-            finally:
-                self._shield.leave()
-        except (StopExecution, Stopped):
-            stopped = True
-        except BaseException as exc:
-            error = failure(exc)
-            logger.info("tenant code failed: %s", error["message"])
-            self._emit_log(f"[ERROR] {error['message']}")
-        elapsed = time.monotonic() - started
-        trained = None
-        try:
-            if self._training and not stopped and error is None:
-                trained = self._trained_state(outputs, namespace)
-        except StopExecution:  # a stop that raced the end of tenant code
-            stopped, trained = True, None
+            end = play(
+                session.compiled,
+                lambda: self._namespace(session, spec, outputs),
+                outputs,
+                self._shield,
+                training=spec.training,
+            )
         finally:
-            namespace.clear()
             gc.collect()
             placement.empty_device_cache()
-        self._on_done(RoundOutcome(stopped, error, trained, outputs.report, elapsed))
+        if end.error is not None:
+            logger.info("tenant code failed: %s", end.error.message)
+            self._emit_log(f"[ERROR] {end.error.message}")
+        return RoundOutcome(end.stopped, end.error, end.trained, outputs.report, end.seconds)
 
-    @staticmethod
-    def _trained_state(outputs: RoundOutputs, namespace: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """What ``save_model`` got; else the module left in ``model``; else nothing (a zero delta)."""
-        if outputs.saved_state is not None:
-            return outputs.saved_state
-        if hasattr(namespace.get("model"), "state_dict"):
-            return cpu_state(namespace["model"])
-        return None
+    def _namespace(self, session: RoundSession, spec: RoundSpec, outputs: RoundOutputs) -> dict[str, Any]:
+        view = SessionView(
+            model_path=session.model_path,
+            bundle_root=session.bundle_root,
+            preprocessor_config=session.preprocessor_config,
+            params=session.params,
+            batch_size=session.batch_size,
+            num_shards=session.dataset.num_shards,
+            host_id=self._host_id,
+            offload_dir=self._offload_dir,
+        )
+        return session_namespace(
+            view,
+            spec,
+            get_shard=session.dataset.get,
+            emit_stats=self._emit_stats,
+            emit_log=self._emit_log,
+            stop_signal=self._stop,
+            outputs=outputs,
+            shield=self._shield.callback,
+        )

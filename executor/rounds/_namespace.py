@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from executor import artifacts, placement
 from executor.artifacts import checkpoint_state
-from executor.errors import StopExecution
+from executor.errors import InvalidRequest, StopExecution
+from executor.preprocess import ImagePreprocessor
 
 NAMESPACE_NAMES = (
     "model_path",
@@ -59,13 +61,34 @@ class RoundOutputs:
 
 @dataclass(frozen=True)
 class RoundSpec:
-    """The per-round values of the namespace."""
+    """The per-round values of the namespace (``run_round``'s arguments, checked)."""
 
     steps: int
     round_num: int
     total_rounds: int
     step_offset: int
     mode: str
+
+    @property
+    def training(self) -> bool:
+        return self.mode == "training"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RoundSpec:
+        """The spec ``to_json`` wrote; a field of the wrong type raises ``InvalidRequest``."""
+        values: dict[str, int] = {}
+        for name in ("steps", "round_num", "total_rounds", "step_offset"):
+            value = data.get(name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequest(f"round spec: {name} must be an integer, got {value!r}")
+            values[name] = value
+        mode = data.get("mode")
+        if mode not in ("training", "inference"):
+            raise InvalidRequest(f"mode must be 'training' or 'inference', got {mode!r}")
+        return cls(mode=str(mode), **values)
 
 
 def json_bounded(value: Any, limit: int, what: str) -> dict[str, Any]:
@@ -105,6 +128,15 @@ def cpu_state(model: Any) -> dict[str, torch.Tensor]:
             raise TypeError(f"state entry {key!r} is not a tensor")
         out[str(key)] = value.detach().cpu()
     return out
+
+
+def trained_state(outputs: RoundOutputs, namespace: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+    """What ``save_model`` got; else the module left in ``model``; else nothing (a zero delta)."""
+    if outputs.saved_state is not None:
+        return outputs.saved_state
+    if hasattr(namespace.get("model"), "state_dict"):
+        return cpu_state(namespace["model"])
+    return None
 
 
 def build_namespace(
@@ -203,8 +235,6 @@ def session_namespace(
     shield: Callable[[Callable[..., Any]], Callable[..., Any]],
 ) -> dict[str, Any]:
     """The namespace of one round: the same for in-thread execution and the sandboxed runner."""
-    from executor import artifacts, placement
-    from executor.preprocess import ImagePreprocessor
 
     def materialize_model(loaded: Any) -> Any:
         model, missing, unexpected = artifacts.materialize_model(

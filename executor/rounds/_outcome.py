@@ -1,22 +1,108 @@
-"""Turning the end of a round into its result: status, error, and the trained delta shipped.
+"""How a round ends, whichever runner ran it: its outcome, its result and the trained delta.
 
-A round's delta is ``trained - original`` (DESIGN §3), written next to the work
-dir and PUT to the orchestrator's URL when one is given; without a URL it stays
-in ``<work>/deltas/`` and its path is returned.
+Both runners — in a thread of the worker (:mod:`executor.rounds._inthread`) and in the
+sandbox (:mod:`executor.sandbox`) — meet the :class:`RoundRunner` protocol and hand back
+one :class:`RoundOutcome`, which :func:`round_result` turns into the task's result. A
+round's delta is ``trained - original`` (DESIGN §3), written next to the work dir and PUT
+to the orchestrator's URL when one is given; without a URL it stays in ``<work>/deltas/``
+and its path is returned.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any, Protocol
 
 import torch
 
-from executor import transfer
+from executor import placement, transfer
 from executor.delta import write_result_delta
-from executor.errors import NO_SPACE_ERRNOS, ErrorInfo, RoundhouseError, Stopped, UserCodeError, storage_full
+from executor.errors import ErrorInfo, RoundhouseError, Stopped, UserCodeError, map_exceptions
 from executor.results import DeltaInfo, RoundResult, RoundStatus
+from executor.rounds._namespace import RoundSpec
+from executor.shards import ShardSession
+
+TRACEBACK_CHARS = 8000
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How a round ended, whichever runner ran it."""
+
+    stopped: bool
+    error: ErrorInfo | None
+    trained: dict[str, torch.Tensor] | None
+    report: dict[str, Any] | None
+    training_time: float
+
+    @classmethod
+    def failed(cls, error: ErrorInfo, training_time: float = 0.0) -> RoundOutcome:
+        return cls(False, error, None, None, training_time)
+
+
+def failure(exc: BaseException) -> ErrorInfo:
+    """The error of a round that raised ``exc``, with its stable code."""
+    if placement.is_oom(exc):
+        return placement.oom_error(exc).info()
+    if isinstance(exc, RoundhouseError):
+        return exc.info()
+    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+    return UserCodeError(f"{type(exc).__name__}: {exc}", {"traceback": tail[-TRACEBACK_CHARS:]}).info()
+
+
+class RoundSession(Protocol):
+    """What a runner needs of the loaded session (:class:`executor.session.Session` has it)."""
+
+    @property
+    def code(self) -> str: ...
+    @property
+    def compiled(self) -> CodeType: ...
+    @property
+    def model_path(self) -> str: ...
+    @property
+    def bundle_root(self) -> str | None: ...
+    @property
+    def preprocessor_config(self) -> Mapping[str, Any]: ...
+    @property
+    def params(self) -> dict[str, Any]: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def dataset(self) -> ShardSession: ...
+
+
+class RoundRunner(Protocol):
+    """Where tenant code runs: in a thread of the worker, or in the sandboxed runner.
+
+    The Executor drives either through these five calls and nothing else.
+    """
+
+    @property
+    def mode(self) -> str:
+        """``off`` (in-thread), ``bwrap`` or ``unshare``."""
+        ...
+
+    def open(self, session: RoundSession, *, warm: bool) -> None:
+        """A session begins (``load_model``; ``warm=False`` for a rehydrated one, whose
+        runner may start with its first round)."""
+        ...
+
+    def run_round(self, spec: RoundSpec, stop: threading.Event) -> RoundOutcome:
+        """Run one round to its end on the calling thread; never raises for tenant faults."""
+        ...
+
+    def interrupt(self) -> None:
+        """Deliver the stop to running tenant code (called again until the round ends)."""
+        ...
+
+    def close(self) -> None:
+        """The session is over: end whatever runs tenant code. Idempotent."""
+        ...
 
 
 def ship_delta(
@@ -34,12 +120,8 @@ def ship_delta(
     deltas = os.path.join(work_dir, "deltas")
     os.makedirs(deltas, exist_ok=True)
     path = os.path.join(deltas, f"round-{round_num}.safetensors.zst")
-    try:
+    with map_exceptions({}, where="the work dir (trained delta)"):
         written = write_result_delta(model_path, trained or {}, path, dtype=dtype)
-    except OSError as exc:
-        if exc.errno in NO_SPACE_ERRNOS:
-            raise storage_full(exc, "the work dir (trained delta)") from None
-        raise
     if not delta_url:
         return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
     try:
@@ -52,17 +134,13 @@ def ship_delta(
 
 
 def round_result(
-    *,
-    stopped: bool,
-    error: Mapping[str, object] | None,
-    training_time: float,
-    report: dict[str, object] | None,
-    round_num: int,
-    ship: Callable[[], DeltaInfo] | None,
+    outcome: RoundOutcome, *, round_num: int, ship: Callable[[], DeltaInfo] | None
 ) -> RoundResult:
     """The result of a finished round; ``ship`` (training rounds) runs only when it completed."""
-    info = ErrorInfo(**error) if error else None  # type: ignore[arg-type]
-    status = RoundStatus.STOPPED if stopped else (RoundStatus.FAILED if info else RoundStatus.COMPLETED)
+    info = outcome.error
+    status = (
+        RoundStatus.STOPPED if outcome.stopped else (RoundStatus.FAILED if info else RoundStatus.COMPLETED)
+    )
     delta: DeltaInfo | None = None
     if status is RoundStatus.COMPLETED and ship is not None:
         try:
@@ -73,4 +151,4 @@ def round_result(
             status, info = RoundStatus.FAILED, exc.info()
         except ValueError as exc:  # the trained state does not fit the model (a shape changed)
             status, info = RoundStatus.FAILED, UserCodeError(str(exc)).info()
-    return RoundResult(status, training_time, report, info, delta, round_num)
+    return RoundResult(status, outcome.training_time, outcome.report, info, delta, round_num)

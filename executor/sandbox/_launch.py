@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from executor.errors import SandboxRunnerError
+from executor.errors import SandboxUnavailable
 from executor.fileio import MIB
 
 if TYPE_CHECKING:
@@ -58,10 +58,6 @@ ETC_FILES = (
     "nsswitch.conf",
     "os-release",
 )
-
-
-class SandboxUnavailable(SandboxRunnerError):
-    """No mechanism can isolate tenant code here, and the operator did not choose ``off``."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Worker → runner (runner's stdin)::
 
     {"op": "init", "ro": "/ro", "task": "/task", "model_path": ..., "bundle_root": ..., "host_id": ...}
-    {"op": "round", "spec": "<ro>/rounds/<id>.json"}   the round's values, in a file the runner cannot write
+    {"op": "round", "spec": "<ro>/rounds/<id>.json"}   a RoundRequest, in a file the runner cannot write
     {"op": "shard", "index": i, "ok": true, "path": ...}   the answer to a shard request
     {"op": "shard", "index": i, "ok": false, "error": {"code", "message"}}
     {"op": "stop"}
@@ -23,9 +23,19 @@ every field is type-checked before use.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import IO, Any
 
-from executor.errors import SandboxProtocolError, stable_codes
+from executor.errors import (
+    ErrorInfo,
+    InvalidRequest,
+    SandboxProtocolError,
+    into,
+    map_exceptions,
+    stable_codes,
+)
+from executor.rounds import RoundSpec
 
 MAX_FRAME_BYTES = 1024 * 1024
 # What a runner may report: the contract's codes (internal_error is the worker's own).
@@ -48,23 +58,62 @@ def read_frame(stream: IO[bytes]) -> dict[str, Any] | None:
         if len(line) > MAX_FRAME_BYTES:
             raise SandboxProtocolError(f"frame exceeds {MAX_FRAME_BYTES} bytes")
         raise SandboxProtocolError("stream ended inside a frame")
-    try:
+    with map_exceptions({(ValueError, RecursionError): into(SandboxProtocolError, "frame is not JSON")}):
         message = json.loads(line)
-    except ValueError:
-        raise SandboxProtocolError("frame is not JSON") from None
     if not isinstance(message, dict):
         raise SandboxProtocolError("frame is not a JSON object")
     return message
 
 
-def checked_error(value: Any) -> dict[str, Any] | None:
+def checked_error(value: Any) -> ErrorInfo | None:
     """An error object from the runner, reduced to known codes and bounded strings."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("code") not in ERROR_CODES:
         raise SandboxProtocolError("runner reported a malformed error")
-    out: dict[str, Any] = {"code": value["code"], "message": str(value.get("message", ""))[:4096]}
     details = value.get("details")
-    if isinstance(details, dict):
-        out["details"] = {str(k)[:128]: str(v)[:8192] for k, v in list(details.items())[:32]}
-    return out
+    bounded = (
+        {str(k)[:128]: str(v)[:8192] for k, v in list(details.items())[:32]}
+        if isinstance(details, dict)
+        else {}
+    )
+    return ErrorInfo(str(value["code"]), str(value.get("message", ""))[:4096], bounded)
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """One round as the worker hands it to the runner: the spec, and the session's values
+    that may change between rounds (``apply_delta`` can replace params and shards)."""
+
+    round_id: str
+    spec: RoundSpec
+    params: dict[str, Any]
+    batch_size: int
+    num_shards: int
+    preprocessor_config: dict[str, Any]
+    max_script_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round_id": self.round_id,
+            "spec": self.spec.to_json(),
+            "params": self.params,
+            "batch_size": self.batch_size,
+            "num_shards": self.num_shards,
+            "preprocessor_config": self.preprocessor_config,
+            "max_script_bytes": self.max_script_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RoundRequest:
+        """The request ``to_json`` wrote (the worker's own file: checked for shape, not trust)."""
+        with map_exceptions({(KeyError, TypeError, ValueError): into(InvalidRequest, "round request")}):
+            return cls(
+                round_id=str(data["round_id"]),
+                spec=RoundSpec.from_json(data["spec"]),
+                params=dict(data.get("params") or {}),
+                batch_size=int(data["batch_size"]),
+                num_shards=int(data["num_shards"]),
+                preprocessor_config=dict(data.get("preprocessor_config") or {}),
+                max_script_bytes=int(data["max_script_bytes"]),
+            )

@@ -1,8 +1,9 @@
-"""The sandboxed runner: the child side of :mod:`executor.protocol`.
+"""The sandboxed runner: the child side of the protocol (:mod:`executor.sandbox._protocol`).
 
-Started once per session inside the sandbox (``python -m executor.runner``), it imports
+Started once per session inside the sandbox (``python -m executor.sandbox``), it imports
 torch once and then runs each round's code in a fresh namespace — the same names, built by
-the same :func:`executor.namespace.build_namespace`, as in-thread. The model is re-read
+the same :func:`executor.rounds.session_namespace` and run by the same
+:func:`executor.rounds.play`, as in-thread. The model is re-read
 from ``/model`` every round, so a sync-delta apply between rounds needs no restart.
 
 Tenant ``print`` goes to stderr (the worker drains it into log events); the protocol uses a
@@ -14,6 +15,7 @@ every other process in the sandbox is killed, so nothing a round started outlive
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -23,9 +25,23 @@ import threading
 import time
 from typing import IO, Any
 
-from executor.errors import InvalidRequest, RoundhouseError, StopExecution, Stopped
-from executor.sandbox._protocol import encode, read_frame
+import torch
+
+from executor import errors, placement
+from executor.errors import ErrorInfo, InvalidRequest, RoundhouseError, SandboxProtocolError, Stopped
+from executor.rounds import (
+    Played,
+    RoundOutputs,
+    SessionView,
+    failure,
+    play,
+    session_namespace,
+    validate_script,
+)
+from executor.sandbox._protocol import RoundRequest, encode, read_frame
+from executor.shards import load_shard_file
 from executor.stopping import UserCodeShield
+from executor.tensorfile import write_state
 
 
 class Channel:
@@ -96,8 +112,6 @@ class ShardClient:
             return str(reply["path"])
 
     def get(self, index: int) -> Any:
-        from executor.shards import load_shard_file
-
         if self._index == index:
             return self._data
         self._index, self._data = None, None
@@ -108,8 +122,6 @@ class ShardClient:
 
 def _rebuild(error: dict[str, Any]) -> RoundhouseError:
     """The worker's error for a shard request, raised in tenant code with its code kept."""
-    from executor import errors
-
     classes = (
         errors.Stopped,
         errors.ShardIndexError,
@@ -124,85 +136,59 @@ def _rebuild(error: dict[str, Any]) -> RoundhouseError:
     return exc
 
 
-def run_round(channel: Channel, init: dict[str, Any], spec: dict[str, Any], shards: ShardClient) -> None:
+def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, shards: ShardClient) -> None:
     """One round; always ends with a ``complete`` message."""
-    from executor.rounds import (
-        RoundOutputs,
-        RoundSpec,
-        SessionView,
-        cpu_state,
-        failure,
-        session_namespace,
-        validate_script,
-    )
-    from executor.tensorfile import write_state
-
     started = time.monotonic()
     outputs = RoundOutputs()
-    stopped, error, result_name = False, None, None
-    namespace: dict[str, Any] = {}
+    result_name = None
     try:
         with open(os.path.join(init["ro"], "code.py"), encoding="utf-8") as source:
-            compiled = validate_script(source.read(), max_bytes=int(spec["max_script_bytes"]))
-        params = dict(spec.get("params") or {})
-        mode = str(spec["mode"])
-        training = mode == "training"
-        view = SessionView(
-            model_path=init["model_path"],
-            bundle_root=init.get("bundle_root"),
-            preprocessor_config=spec.get("preprocessor_config") or {},
-            params=params,
-            batch_size=int(spec["batch_size"]),
-            num_shards=int(spec["num_shards"]),
-            host_id=str(init["host_id"]),
-            offload_dir=os.path.join(init["task"], "offload"),
-        )
-        round_spec = RoundSpec(
-            int(spec["steps"]),
-            int(spec["round_num"]),
-            int(spec["total_rounds"]),
-            int(spec["step_offset"]),
-            mode,
-        )
-        namespace = session_namespace(
-            view,
-            round_spec,
-            get_shard=shards.get,
-            emit_stats=lambda data: channel.send({"type": "stats", "data": data}),
-            emit_log=lambda text: channel.send({"type": "log", "text": text}),
-            stop_signal=channel.stop,
-            outputs=outputs,
-            shield=channel.shield.callback,
-        )
-        channel.shield.enter()
-        try:
-            from executor.rounds import execute_script
-
-            execute_script(compiled, namespace)
-        finally:
-            channel.shield.leave()
-        if training:
-            state = outputs.saved_state
-            if state is None and hasattr(namespace.get("model"), "state_dict"):
-                state = cpu_state(namespace["model"])
-            if state is not None:
-                result_name = f"result-{spec['round_id']}.safetensors"
-                with open(os.path.join(init["task"], "out", result_name), "wb") as out:
-                    write_state(out, state)
-    except (StopExecution, Stopped):
-        stopped = True
+            compiled = validate_script(source.read(), max_bytes=request.max_script_bytes)
     except BaseException as exc:
-        error = failure(exc)
-    finally:
-        namespace.clear()
+        end = Played(False, failure(exc), None, time.monotonic() - started)
+    else:
+        end = play(
+            compiled,
+            lambda: _namespace(channel, init, request, shards, outputs),
+            outputs,
+            channel.shield,
+            training=request.spec.training,
+        )
+    error = end.error
+    if end.trained is not None:
+        result_name = f"result-{request.round_id}.safetensors"
+        try:
+            with open(os.path.join(init["task"], "out", result_name), "wb") as out:
+                write_state(out, end.trained)
+        except BaseException as exc:
+            error, result_name = failure(exc), None
     _end_round(
-        channel,
-        _own_pid_namespace(init),
-        stopped,
-        error,
-        outputs.report,
-        time.monotonic() - started,
-        result_name,
+        channel, _own_pid_namespace(init), end.stopped, error, outputs.report, end.seconds, result_name
+    )
+
+
+def _namespace(
+    channel: Channel, init: dict[str, Any], request: RoundRequest, shards: ShardClient, outputs: RoundOutputs
+) -> dict[str, Any]:
+    view = SessionView(
+        model_path=init["model_path"],
+        bundle_root=init.get("bundle_root"),
+        preprocessor_config=request.preprocessor_config,
+        params=request.params,
+        batch_size=request.batch_size,
+        num_shards=request.num_shards,
+        host_id=str(init["host_id"]),
+        offload_dir=os.path.join(init["task"], "offload"),
+    )
+    return session_namespace(
+        view,
+        request.spec,
+        get_shard=shards.get,
+        emit_stats=lambda data: channel.send({"type": "stats", "data": data}),
+        emit_log=lambda text: channel.send({"type": "log", "text": text}),
+        stop_signal=channel.stop,
+        outputs=outputs,
+        shield=channel.shield.callback,
     )
 
 
@@ -215,15 +201,11 @@ def _end_round(
     channel: Channel,
     kill_strays: bool,
     stopped: bool,
-    error: dict[str, Any] | None,
+    error: ErrorInfo | None,
     report: dict[str, Any] | None,
     seconds: float,
     result_name: str | None,
 ) -> None:
-    import gc
-
-    from executor import placement
-
     if kill_strays:
         # Nothing a round started may outlive it: kill every other process of this pid
         # namespace that we may signal (not init, not ourselves).
@@ -235,7 +217,7 @@ def _end_round(
     message = {
         "type": "complete",
         "stopped": stopped,
-        "error": error,
+        "error": error.to_json() if error else None,
         "report": report,
         "training_time": seconds,
         "result": None if (stopped or error) else result_name,
@@ -244,10 +226,7 @@ def _end_round(
         channel.send(message)
     except RoundhouseError:  # the report made the frame too large: send it without
         message["report"] = None
-        message["error"] = {
-            "code": "sandbox_protocol_error",
-            "message": "round report exceeds the frame size",
-        }
+        message["error"] = SandboxProtocolError("round report exceeds the frame size").to_json()
         channel.send(message)
 
 
@@ -273,10 +252,6 @@ def main() -> None:
     channel = Channel(protocol_in, protocol_out)
     init = channel.read_init()
     os.chdir(str(init["task"]))
-    import torch
-
-    from executor import placement
-
     threading.Thread(target=channel.listen, name="runner-control", daemon=True).start()
     channel.send(
         {"type": "ready", "torch": torch.__version__, "device": placement.local_device(), "pid": os.getpid()}
@@ -287,5 +262,5 @@ def main() -> None:
         if message is None:
             return
         with open(str(message["spec"]), encoding="utf-8") as file:
-            spec = json.load(file)
-        run_round(channel, init, spec, shards)
+            request = RoundRequest.from_json(json.load(file))
+        run_round(channel, init, request, shards)

@@ -1,9 +1,9 @@
-"""The Executor's sandboxed runner for the loaded session.
+"""The sandboxed :class:`~executor.rounds.RoundRunner`, for the loaded session.
 
 Owns the session's sandbox directories (``<work>/sandbox/task``, writable by the
-sandbox uid; ``<work>/sandbox/ro``, the worker's) and the warm :class:`Runner`: started at
-``load_model``, reused by every round, torn down at the next load, a reset, a crash, or a
-stop that needed a kill (the next round then starts a fresh one).
+sandbox uid; ``<work>/sandbox/ro``, the worker's) and the warm :class:`Supervisor` of the
+runner process: started at ``load_model``, reused by every round, torn down at the next
+load, a reset, a crash, or a stop that needed a kill (the next round then starts a fresh one).
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ import logging
 import os
 import shutil
 import threading
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from executor.errors import InvalidRequest
 from executor.fileio import temp_path_for
-from executor.rounds import RoundOutcome, RoundSpec
+from executor.rounds import RoundOutcome, RoundSession, RoundSpec
 from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
-from executor.sandbox._supervisor import Runner, result_limit
-from executor.session import Session
+from executor.sandbox._protocol import RoundRequest
+from executor.sandbox._supervisor import Supervisor, result_limit
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Isolation:
+class SandboxedRunner:
+    """Tenant code in the sandboxed runner process, one warm process per session."""
+
     def __init__(
         self,
         mode: str,
@@ -55,8 +58,8 @@ class Isolation:
         self._max_script_bytes = max_script_bytes
         self._emit_log = emit_log
         self._emit_stats = emit_stats
-        self._session: Session | None = None
-        self._runner: Runner | None = None
+        self._session: RoundSession | None = None
+        self._supervisor: Supervisor | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -69,7 +72,7 @@ class Isolation:
         host_id: str,
         emit_log: Callable[[str], None],
         emit_stats: Callable[[dict[str, Any]], None],
-    ) -> Isolation:
+    ) -> SandboxedRunner:
         """``ROUNDHOUSE_SANDBOX`` (``auto`` when it says ``off``: the caller asked for a sandbox);
         ``SandboxUnavailable`` when nothing here can isolate tenant code."""
         requested = settings.sandbox if settings.sandbox != "off" else "auto"
@@ -87,28 +90,25 @@ class Isolation:
             emit_stats=emit_stats,
         )
 
-    def start(self, session: Session) -> None:
-        """A fresh runner for ``session`` (the previous one, if any, is ended first)."""
+    def open(self, session: RoundSession, *, warm: bool) -> None:
+        """A fresh runner for ``session`` (the previous one, if any, is ended first); warm: now,
+        so torch and CUDA load at ``load_model`` and not in round 1; else with the first round."""
         self.close()
         self._session = session
-        self._ensure()
+        if warm:
+            self._ensure()
 
-    def adopt(self, session: Session) -> None:
-        """Take over a rehydrated session; its runner starts with the first round."""
-        self.close()
-        self._session = session
-
-    def _ensure(self) -> Runner:
+    def _ensure(self) -> Supervisor:
         session = self._session
         if session is None:
             raise InvalidRequest("no model is loaded: send load_model first")
         with self._lock:
-            if self._runner is not None and self._runner.alive:
-                return self._runner
-            if self._runner is not None:
-                self._runner.close()
+            if self._supervisor is not None and self._supervisor.alive:
+                return self._supervisor
+            if self._supervisor is not None:
+                self._supervisor.close()
             shutil.rmtree(self.paths.task, ignore_errors=True)
-            runner = Runner(
+            supervisor = Supervisor(
                 self.mode,
                 self.config,
                 self.paths,
@@ -121,28 +121,25 @@ class Isolation:
             limit = result_limit(os.path.getsize(session.model_path))
             if self.config.disk_bytes:
                 limit = min(limit, self.config.disk_bytes)  # no single file beyond the dir's quota
-            runner.start(session.model_path, session.bundle_root, session.code, limit)
-            self._runner = runner
-            return runner
+            supervisor.start(session.model_path, session.bundle_root, session.code, limit)
+            self._supervisor = supervisor
+            return supervisor
 
     def run_round(self, spec: RoundSpec, stop: threading.Event) -> RoundOutcome:
         session = self._session
         if session is None:
             raise InvalidRequest("no model is loaded: send load_model first")
-        runner = self._ensure()
-        round_spec = {
-            "steps": spec.steps,
-            "round_num": spec.round_num,
-            "total_rounds": spec.total_rounds,
-            "step_offset": spec.step_offset,
-            "mode": spec.mode,
-            "params": session.params,
-            "batch_size": session.batch_size,
-            "num_shards": session.dataset.num_shards,
-            "preprocessor_config": session.preprocessor_config,
-            "max_script_bytes": self._max_script_bytes,
-        }
-        return runner.run_round(round_spec, stop, result_limit(os.path.getsize(session.model_path)))
+        supervisor = self._ensure()
+        request = RoundRequest(
+            round_id=uuid.uuid4().hex[:16],
+            spec=spec,
+            params=session.params,
+            batch_size=session.batch_size,
+            num_shards=session.dataset.num_shards,
+            preprocessor_config=dict(session.preprocessor_config),
+            max_script_bytes=self._max_script_bytes,
+        )
+        return supervisor.run_round(request, stop, result_limit(os.path.getsize(session.model_path)))
 
     def _serve_shard(self, index: int) -> str:
         """Pin the shard in the cache and make it readable at ``/ro/shards`` (never writable)."""
@@ -172,21 +169,18 @@ class Isolation:
                     os.unlink(os.path.join(shards, name))
         return self.paths.inside(target)
 
-    def request_stop(self) -> None:
-        runner = self._runner
-        if runner is not None:
-            runner.request_stop()
-
-    def kill(self, reason: str) -> None:
-        runner = self._runner
-        if runner is not None:
-            runner.kill(reason)
+    def interrupt(self) -> None:
+        # The runner interrupts tenant code on each stop; the supervisor's watchdog kills the
+        # sandbox once the stop is older than the grace period.
+        supervisor = self._supervisor
+        if supervisor is not None:
+            supervisor.request_stop()
 
     def close(self) -> None:
         with self._lock:
-            if self._runner is not None:
-                self._runner.close()
-                self._runner = None
+            if self._supervisor is not None:
+                self._supervisor.close()
+                self._supervisor = None
         self._session = None
         shutil.rmtree(os.path.dirname(self.paths.task), ignore_errors=True)
 

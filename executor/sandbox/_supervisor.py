@@ -18,7 +18,6 @@ import stat
 import subprocess
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from executor.fileio import atomic_write_json
 from executor.rounds import RoundOutcome
 from executor.sandbox import _seccomp as seccomp
 from executor.sandbox._launch import Paths, SandboxConfig, command, prepare_dirs
-from executor.sandbox._protocol import checked_error, encode, read_frame
+from executor.sandbox._protocol import RoundRequest, checked_error, encode, read_frame
 from executor.tensorfile import read_header, read_tensor
 
 logger = logging.getLogger(__name__)
@@ -129,7 +128,7 @@ def tree_size(path: str, limit_entries: int = QUOTA_MAX_ENTRIES) -> int:
     return total
 
 
-class Runner:
+class Supervisor:
     def __init__(
         self,
         mode: str,
@@ -284,12 +283,10 @@ class Runner:
 
     # ------------------------------------------------------------ rounds
 
-    def run_round(self, spec: dict[str, Any], stop: threading.Event, result_max_bytes: int) -> RoundOutcome:
+    def run_round(self, request: RoundRequest, stop: threading.Event, result_max_bytes: int) -> RoundOutcome:
         started = time.monotonic()
-        round_id = uuid.uuid4().hex[:16]
-        spec = {**spec, "round_id": round_id}
-        spec_path = os.path.join(self.paths.ro, "rounds", f"{round_id}.json")
-        atomic_write_json(spec_path, spec)
+        spec_path = os.path.join(self.paths.ro, "rounds", f"{request.round_id}.json")
+        atomic_write_json(spec_path, request.to_json())
         os.chmod(spec_path, 0o644)
         self._stderr_budget = STDERR_ROUND_BYTES
         self._killed_for = None
@@ -301,7 +298,7 @@ class Runner:
             done = self._serve_until_complete()
         except SandboxProtocolError as exc:
             self.kill("protocol error")
-            return RoundOutcome(False, exc.to_json(), None, None, time.monotonic() - started)
+            return RoundOutcome.failed(exc.info(), time.monotonic() - started)
         except (OSError, ValueError):
             done = None
         finally:
@@ -351,7 +348,7 @@ class Runner:
             if stop.is_set():
                 self.kill("stopped")
                 return RoundOutcome(True, None, None, None, elapsed)
-            return RoundOutcome(False, self._death().to_json(), None, None, elapsed)
+            return RoundOutcome.failed(self._death().info(), elapsed)
         try:
             error = checked_error(done.get("error"))
             report = done.get("report")
@@ -364,7 +361,7 @@ class Runner:
                     raise SandboxProtocolError("result must be a file name")
                 trained = read_result(self.paths.task, result, result_max_bytes)
         except SandboxProtocolError as exc:
-            return RoundOutcome(False, exc.to_json(), None, None, elapsed)
+            return RoundOutcome.failed(exc.info(), elapsed)
         training_time = done.get("training_time")
         seconds = float(training_time) if isinstance(training_time, (int, float)) else elapsed
         return RoundOutcome(bool(done.get("stopped")), error, trained, report, seconds)

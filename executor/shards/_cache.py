@@ -1,11 +1,11 @@
 """The persistent, bounded, cross-process shard cache (DESIGN §7).
 
-Entries are keyed by ``(tenant, shard id)``; the id is the descriptor's ``id`` or
-``sha256``, else its URL without the query string (a re-presigned URL is the same
-shard). A shard is downloaded once per host: the first process takes the entry's
-exclusive lock and downloads; the others wait on a shared lock and then read the
-finished file. A held shared lock is a pin: pinned entries are never evicted.
-The space accounting lives in :mod:`executor.ledger`.
+Entries are keyed by ``(tenant, ShardDescriptor.key)``. A shard is downloaded once
+per host: the first process takes the entry's exclusive lock and downloads; the
+others wait on a shared lock and then read the finished file. A held shared lock is
+a pin: pinned entries are never evicted. The space accounting lives in
+:mod:`executor.shards._ledger`; a zstd shard is decoded once, on arrival, into the
+entry (:mod:`executor.shards._decode`).
 """
 
 from __future__ import annotations
@@ -14,97 +14,24 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
-
-import zstandard
+from typing import Any
 
 from executor import transfer
 from executor.errors import NO_SPACE_ERRNOS, BadArtifact, CacheTooSmall, InvalidRequest, Stopped, storage_full
 from executor.fileio import temp_path_for
-from executor.shards._ledger import ENTRY_SUFFIX, LOCK_SUFFIX, Ledger, Reservation
-from executor.shards._locks import POLL_S, FileLock
+from executor.shards._decode import decoded_chunks, probe_decode, zstd_content_size
+from executor.shards._descriptor import ShardDescriptor, check_tenant
+from executor.shards._ledger import ENTRY_SUFFIX, LOCK_SUFFIX, POLL_S, FileLock, Ledger, Reservation
 from executor.transfer import Progress
 
 logger = logging.getLogger(__name__)
 
-TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-# The decoder's output buffer. Small enough to stay in a core's L2 between the decoder
-# writing it and write() copying it out: with 4 MiB the decode ran at half the speed of
-# `zstd -d -T1` on a 512 MB shard (0.92 s vs 0.43 s), with 1 MiB at 96 % (bench/zstd.py).
-DECODE_CHUNK_BYTES = 1024 * 1024
 # Reservation growth step when a zstd frame does not record its decoded size.
 GROW_STEP_BYTES = 64 * 1024 * 1024
-
-
-def check_tenant(tenant: str) -> str:
-    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
-        raise InvalidRequest(f"invalid tenant name {tenant!r}: use 1-64 of [A-Za-z0-9_.-]")
-    return tenant
-
-
-def strip_query(url: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
-
-
-@dataclass(frozen=True)
-class ShardDescriptor:
-    url: str
-    compression: Literal["none", "zstd"] = "none"
-    size_bytes: int = 0
-    sha256: str | None = None
-    id: str | None = None
-
-    @classmethod
-    def parse(cls, item: object) -> ShardDescriptor:
-        """A URL string or ``{"url", "compression", "size_bytes", "sha256"?, "id"?}``."""
-        if isinstance(item, str):
-            item = {"url": item}
-        if not isinstance(item, Mapping):
-            raise InvalidRequest(f"a dataset shard must be a URL or an object, got {type(item).__name__}")
-        url = item.get("url")
-        if not isinstance(url, str) or not url:
-            raise InvalidRequest("a dataset shard descriptor needs a non-empty 'url'")
-        compression = item.get("compression") or "none"
-        if compression not in ("none", "zstd"):
-            raise InvalidRequest(f"unsupported shard compression {compression!r} (use 'none' or 'zstd')")
-        size = item.get("size_bytes") or 0
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise InvalidRequest("shard size_bytes must be a non-negative integer")
-        sha = item.get("sha256")
-        if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-fA-F]{64}", sha)):
-            raise InvalidRequest("shard sha256 must be 64 hex digits")
-        ident = item.get("id")
-        if ident is not None and (not isinstance(ident, str) or not ident):
-            raise InvalidRequest("shard id must be a non-empty string")
-        kind: Literal["none", "zstd"] = "zstd" if compression == "zstd" else "none"
-        return cls(url, kind, size, sha.lower() if sha else None, ident)
-
-    @property
-    def key(self) -> str:
-        if self.id:
-            return "id:" + self.id
-        if self.sha256:
-            return "sha256:" + self.sha256
-        return "url:" + strip_query(self.url)
-
-    def to_json(self) -> dict[str, Any]:
-        """Without the URL's query: descriptors appear in status and events."""
-        out: dict[str, Any] = {"url": strip_query(self.url), "compression": self.compression}
-        out.update(
-            {
-                k: v
-                for k, v in (("size_bytes", self.size_bytes), ("sha256", self.sha256), ("id", self.id))
-                if v
-            }
-        )
-        return out
 
 
 class Pin:
@@ -316,13 +243,9 @@ class ShardCache:
     ) -> None:
         """Stream-decode ``packed`` into ``path`` with one reused buffer; room is reserved first."""
         with open(packed, "rb") as source:
-            try:
-                params = zstandard.get_frame_parameters(source.read(18))
-            except zstandard.ZstdError as exc:
-                raise BadArtifact(f"shard is not valid zstd: {exc}") from None
-            decoded = params.content_size if params.content_size != zstandard.CONTENTSIZE_UNKNOWN else None
+            decoded = zstd_content_size(source)
             source.seek(0)
-            _probe_decode(source)
+            probe_decode(source)
             budget = packed_size + (decoded if decoded is not None else GROW_STEP_BYTES)
             self._grow(reservation, budget, pinned, abort)
             source.seek(0)
@@ -350,24 +273,16 @@ class ShardCache:
         pinned: int,
         abort: threading.Event | None,
     ) -> int:
-        buffer = bytearray(DECODE_CHUNK_BYTES)
-        view = memoryview(buffer)
         written = 0
-        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
-        with reader, open(tmp, "r+b") as out:  # not "wb": see temp_path_for
-            while True:
-                if abort is not None and abort.is_set():
-                    raise Stopped("stopped while decoding a shard")
-                try:
-                    count = reader.readinto(view)
-                except zstandard.ZstdError as exc:
-                    raise BadArtifact(f"shard is not valid zstd: {exc}") from None
-                if not count:
-                    return written
+        chunks = contextlib.closing(decoded_chunks(source, abort))
+        with chunks as decoded, open(tmp, "r+b") as out:  # not "wb": see temp_path_for
+            for chunk in decoded:
+                count = len(chunk)
                 if packed_size + written + count > reservation.bytes:
                     self._grow(reservation, packed_size + written + count + GROW_STEP_BYTES, pinned, abort)
-                out.write(view[:count])
+                out.write(chunk)
                 written += count
+        return written
 
     def _grow(
         self, reservation: Reservation, nbytes: int, pinned: int, abort: threading.Event | None
@@ -401,16 +316,3 @@ class ShardCache:
             self.ledger.evictions,
             self.downloaded_bytes,
         )
-
-
-def _probe_decode(source: Any, probe_bytes: int = 64 * 1024) -> None:
-    """Decode the start of a frame before trusting its header: a corrupt frame's
-    content size is noise, and must not turn into a cache reservation."""
-    reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True, closefd=False)
-    try:
-        reader.read(probe_bytes)
-    except zstandard.ZstdError as exc:
-        raise BadArtifact(f"shard is not valid zstd: {exc}") from None
-    finally:
-        reader.close()
-        source.seek(0)

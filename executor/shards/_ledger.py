@@ -13,11 +13,18 @@ go stale — with one global ``flock`` serialising the count-then-evict step::
 A reservation whose flock is free belongs to a dead process and is dropped.
 A group's in-flight files count as ``max(reserved, on disk)`` while its
 reservation lives, and at their real size (as evictable leftovers) after.
+
+The locks are ``flock`` locks (:class:`FileLock`). They belong to an open file
+description, so two ``open()`` calls in one process conflict like two processes do;
+that lets threads and processes use the same protocol. A lock is released when its
+holder dies (kill -9 included), which is what makes stale reservations and pins
+detectable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -30,13 +37,57 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from executor.errors import CacheTooSmall, Stopped
-from executor.shards._locks import FileLock
 
 logger = logging.getLogger(__name__)
 
 ENTRY_SUFFIX = ".bin"
 LOCK_SUFFIX = ".lock"
 WAIT_POLL_S = 0.2
+POLL_S = 0.02
+
+
+class FileLock:
+    """One open description of a lock file; ``shared`` or exclusive ``flock`` on it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"lock {self.path} is closed")
+        return self._fd
+
+    def try_acquire(self, *, shared: bool = False) -> bool:
+        try:
+            fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def acquire(self, *, shared: bool = False, abort: threading.Event | None = None) -> None:
+        """Block until held; ``Stopped`` when ``abort`` is set."""
+        while not self.try_acquire(shared=shared):
+            if abort is not None and abort.is_set():
+                raise Stopped(f"stopped while waiting for {os.path.basename(self.path)}")
+            if abort is not None:
+                abort.wait(POLL_S)
+            else:
+                time.sleep(POLL_S)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock too
+            self._fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
 
 
 def digest_of(filename: str) -> str:

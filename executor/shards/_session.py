@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from executor.errors import BadArtifact, RoundhouseError, ShardIndexError, Stopped
-from executor.shards._cache import Pin, ShardCache, ShardDescriptor
+from executor.shards._cache import Pin, ShardCache
 from executor.shards._decode import load_shard_file
+from executor.shards._descriptor import ShardDescriptor
 from executor.stopping import DoneThread
 from executor.transfer import Progress
 

@@ -1,7 +1,7 @@
 """Copying a response body into a file: one reused buffer filled by ``readinto1`` and
 written with ``pwrite`` at the file's own offsets, with a speed floor against servers that
-trickle. Used by the one-stream download (:mod:`executor.stream`) and each ranged segment
-(:mod:`executor.ranged`).
+trickle. Used by the one-stream download (:mod:`._stream`) and each ranged segment
+(:mod:`._ranged`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import requests
 
-from executor.transfer._http import Cancel, TransientError
+from executor.transfer._cancel import Cancel
+from executor.transfer._http import TransientError
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -16,7 +16,7 @@ import threading
 from functools import partial
 
 from executor.fileio import MIB
-from executor.transfer._http import Cancel
+from executor.transfer._cancel import Cancel
 
 READ_BYTES = 1 * MIB  # L2-sized: read back, then hashed while still in cache
 TRUNCATE_GRACE_S = 0.5

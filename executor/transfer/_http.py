@@ -1,100 +1,31 @@
-"""HTTP plumbing shared by ``transfer``, ``stream`` and ``ranged``: URL redaction, sessions
-whose sockets an abort can shut down, response parsing and the retry loop. Copying a body
-into a file is :mod:`executor.body`; the partial file and its sidecar, :mod:`executor.partial`.
+"""One HTTP attempt and the loop around it: the errors an attempt ends with, the status
+check, the retry loop (:func:`run_attempts`), and the headers a transfer sends and reads.
 
-Nothing here is public API; callers use :mod:`executor.transfer`.
+An attempt raises :class:`TransientError` (or a network error) when a retry with a
+``Range`` resume may fix it, :class:`FinalHTTPError` when the server said no for good,
+:class:`SourceChangedError` when the file on the server is not the one being resumed.
+:func:`run_attempts` turns the last of them into the caller's ``DownloadFailed``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import logging
 import re
-import socket
-import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
+from collections.abc import Callable
+from typing import TypeVar
 
 import requests
 import urllib3
-from requests.adapters import HTTPAdapter
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, Stopped
-from executor.fileio import MIB
-from executor.stopping import StopSignal, on_stop
-
-if TYPE_CHECKING:
-    from executor.transfer._fetch import TransferConfig
+from executor.errors import NO_SPACE_ERRNOS, DownloadFailed
+from executor.transfer._cancel import Cancel
+from executor.transfer._config import TransferConfig
+from executor.transfer._urls import describe, redact_url, url_host
 
 logger = logging.getLogger("executor.transfer")
 
-# http.client sends file bodies in blocks of this size; its 16 KiB default costs a
-# syscall per 16 KiB on multi-GB uploads.
-SEND_BLOCK_BYTES = 1 * MIB
-SIDECAR_VERSION = 1
-
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------- URLs
-
-
-def redact_url(url: str) -> str:
-    """``scheme://host[:port]/path``: never the query string, fragment or userinfo."""
-    parts = urlsplit(url)
-    if parts.netloc:
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        try:
-            port = f":{parts.port}" if parts.port else ""
-        except ValueError:
-            port = ""
-        return f"{parts.scheme}://{host}{port}{parts.path}"
-    if parts.scheme == "file":
-        return f"file://{parts.path}"
-    # A plain filesystem path is not a URL: '?' is a legal file name character.
-    return url
-
-
-def url_host(url: str) -> str:
-    return urlsplit(url).hostname or ""
-
-
-_QUERY_IN_TEXT = re.compile(r"\?[^\s'\"<>()]*")
-
-
-def scrub(text: str) -> str:
-    """Remove query strings from library messages (urllib3 puts the full request path in them)."""
-    return _QUERY_IN_TEXT.sub("?<redacted>", text)
-
-
-class _RedactQueries(logging.Filter):
-    """urllib3 logs request lines and redirects with their query strings at DEBUG."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "?" in message:
-            record.msg, record.args = scrub(message), None
-        return True
-
-
-for _name in ("urllib3.connectionpool", "urllib3.poolmanager", "urllib3.util.retry"):
-    logging.getLogger(_name).addFilter(_RedactQueries())
-
-
-def describe(exc: BaseException) -> str:
-    text = scrub(str(exc))
-    if len(text) > 300:
-        text = text[:300] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-# ------------------------------------------------------------------ errors of one attempt
 
 
 class TransientError(Exception):
@@ -115,10 +46,6 @@ class FinalHTTPError(Exception):
 
 class SourceChangedError(Exception):
     """The resource on the server is not the one the partial file holds: start over."""
-
-
-class HaltedError(Exception):
-    """A sibling segment failed (or the supervisor stopped the download); end quietly."""
 
 
 RETRYABLE: tuple[type[BaseException], ...] = (
@@ -202,174 +129,7 @@ def _failed(
     return failure(message, details)
 
 
-# ------------------------------------------------------------------------- abort
-
-
-def _shutdown(sock: socket.socket) -> None:
-    # socket.socket's own shutdown: SSLSocket.shutdown would also drop the SSL
-    # object under the feet of the thread that is blocked reading it.
-    with contextlib.suppress(OSError):
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
-class SocketRegistry:
-    """The sockets of one transfer's requests, shut down at once when it is cancelled.
-
-    ``shutdown(SHUT_RDWR)`` makes a ``recv`` blocked in another thread return, which
-    closing the socket does not.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sockets: set[socket.socket] = set()
-        self._closed = False
-
-    def add(self, sock: socket.socket | None) -> None:
-        if sock is None:
-            return
-        with self._lock:
-            if not self._closed:
-                self._sockets.add(sock)
-                return
-        _shutdown(sock)
-
-    def shutdown_all(self) -> None:
-        with self._lock:
-            self._closed = True
-            sockets, self._sockets = self._sockets, set()
-        for sock in sockets:
-            _shutdown(sock)
-
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def tracking(registry: SocketRegistry) -> Iterator[None]:
-    """Register the socket of every request this thread makes inside the block."""
-    previous = getattr(_local, "registry", None)
-    _local.registry = registry
-    try:
-        yield
-    finally:
-        _local.registry = previous
-
-
-def _track(sock: socket.socket | None) -> None:
-    registry: SocketRegistry | None = getattr(_local, "registry", None)
-    if registry is not None:
-        registry.add(sock)
-
-
-def track_response(response: requests.Response) -> None:
-    """Also register the response's own socket (covers proxied connections)."""
-    connection = getattr(response.raw, "connection", None)
-    _track(getattr(connection, "sock", None))
-
-
-class _TrackedHTTPConnection(HTTPConnection):
-    # connect() covers a new connection, request() a reused one: from then on the
-    # socket can be shut down, while the body is sent and while the headers are awaited.
-    def connect(self) -> None:
-        super().connect()
-        _track(self.sock)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        _track(self.sock)
-        super().request(*args, **kwargs)
-
-
-class _TrackedHTTPSConnection(HTTPSConnection):
-    def connect(self) -> None:
-        super().connect()
-        _track(self.sock)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        _track(self.sock)
-        super().request(*args, **kwargs)
-
-
-class _HTTPPool(HTTPConnectionPool):
-    ConnectionCls = _TrackedHTTPConnection
-
-
-class _HTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = _TrackedHTTPSConnection
-
-
-class _AbortableAdapter(HTTPAdapter):
-    def init_poolmanager(
-        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
-    ) -> None:
-        pool_kwargs.setdefault("blocksize", SEND_BLOCK_BYTES)
-        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
-        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
-
-
-def new_session() -> requests.Session:
-    session = requests.Session()
-    adapter = _AbortableAdapter()
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
-
-
-def thread_session() -> requests.Session:
-    """The calling thread's session: keep-alive connections survive across transfers."""
-    session: requests.Session | None = getattr(_local, "session", None)
-    if session is None:
-        session = new_session()
-        _local.session = session
-    return session
-
-
-class Cancel:
-    """What ends a transfer early: the caller's abort event, or ``halt`` (a sibling failed).
-
-    ``fire()`` sets ``halt`` and shuts down every registered socket; it runs from the
-    StopSignal's callback, or from the ranged supervisor when it sees a plain Event set.
-    """
-
-    def __init__(self, abort: threading.Event | None, url: str) -> None:
-        self.abort = abort
-        self.url = url
-        self.halt = threading.Event()
-        self.registry = SocketRegistry()
-        # Whether something calls fire() when abort is set, so that waiting on halt suffices.
-        self.watched = False
-        self._unregister: Callable[[], None] = lambda: None
-
-    def __enter__(self) -> Cancel:
-        self._unregister = on_stop(self.abort, self.fire)
-        self.watched = isinstance(self.abort, StopSignal)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._unregister()
-
-    def fire(self) -> None:
-        self.halt.set()
-        self.registry.shutdown_all()
-
-    def stopped(self) -> bool:
-        return self.abort is not None and self.abort.is_set()
-
-    def check(self) -> None:
-        if self.stopped():
-            raise Stopped(f"transfer of {redact_url(self.url)} stopped", {"url": redact_url(self.url)})
-        if self.halt.is_set():
-            raise HaltedError()
-
-    def sleep(self, seconds: float) -> None:
-        self.check()
-        if self.abort is not None and not self.watched:
-            self.abort.wait(seconds)
-        else:
-            self.halt.wait(seconds)
-        self.check()
-
-
-# --------------------------------------------------------------------- responses
+# --------------------------------------------------------------------- headers
 
 
 def content_range(response: requests.Response) -> tuple[int, int | None] | None:

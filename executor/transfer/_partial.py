@@ -19,13 +19,14 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import requests
 
 from executor.errors import Stopped
-from executor.transfer._http import if_range, redact_url
+from executor.transfer._config import Progress
+from executor.transfer._http import if_range
+from executor.transfer._urls import redact_url
 
 logger = logging.getLogger("executor.transfer")
 
@@ -129,7 +130,7 @@ class ProgressMeter:
 
     def __init__(
         self,
-        callback: Callable[[int, int | None], None] | None,
+        callback: Progress | None,
         interval_s: float = 0.25,
     ) -> None:
         self._callback = callback

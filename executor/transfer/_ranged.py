@@ -8,38 +8,28 @@ The partial file is preallocated so that segments can ``pwrite`` at their offset
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
 
 import requests
 
 from executor.errors import DownloadFailed, Stopped
+from executor.fileio import MIB
 from executor.transfer._body import SpeedFloor, copy_body
+from executor.transfer._cancel import Cancel, HaltedError, new_session, track_response, tracking
+from executor.transfer._config import TransferConfig
 from executor.transfer._http import (
-    MIB,
-    Cancel,
-    HaltedError,
     SourceChangedError,
     TransientError,
     announced_total,
     check_status,
     content_range,
-    new_session,
-    redact_url,
     request_headers,
     run_attempts,
-    track_response,
-    tracking,
 )
 from executor.transfer._partial import ProgressMeter, Sidecar
-
-if TYPE_CHECKING:
-    from executor.transfer._fetch import TransferConfig
-
-logger = logging.getLogger("executor.transfer")
+from executor.transfer._urls import redact_url
 
 SEGMENT_ALIGN_BYTES = 64 * 1024
 # A crash loses at most this much progress per segment, and the sidecar is not

@@ -1,5 +1,5 @@
 """One HTTP download into the partial file: a sequential GET resumed with ``Range`` after
-each failure, which hands over to :mod:`executor.ranged` when the file is large, the
+each failure, which hands over to :mod:`._ranged` when the file is large, the
 server takes ranges and the first connection alone is slow.
 
 Why a probe and not always splitting: parallel connections pay off where one stream is
@@ -7,7 +7,7 @@ held back by latency or a per-connection cap (object stores, WANs), several time
 Where one stream already runs at memory speed (a nearby nginx, a LAN cache) eight of them
 gain little and cost eight threads on cores the worker also needs for decoding shards and
 feeding the GPU; from nginx on loopback (bench.download, 2 GiB) one stream took 0.78 s and
-eight 0.71 s. One stream is also hashed as it is written (:mod:`executor.follower`); a
+eight 0.71 s. One stream is also hashed as it is written (:mod:`._follower`); a
 split download is hashed in a second pass. So the first GET copies its first
 ``PROBE_BYTES`` and the download splits only when that ran slower than
 ``parallel_below_bytes_s``; the probed bytes are kept, not fetched again.
@@ -20,36 +20,29 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import requests
 
 from executor.errors import DownloadFailed
+from executor.fileio import MIB
 from executor.transfer._body import SpeedFloor, copy_body
+from executor.transfer._cancel import Cancel, thread_session, track_response, tracking
+from executor.transfer._config import TransferConfig
 from executor.transfer._follower import HashFollower
 from executor.transfer._http import (
-    MIB,
     RETRYABLE,
-    Cancel,
     SourceChangedError,
     TransientError,
     announced_total,
     check_status,
     content_range,
-    redact_url,
     request_headers,
     run_attempts,
-    thread_session,
-    track_response,
-    tracking,
     unsatisfied_total,
-    url_host,
 )
 from executor.transfer._partial import ProgressMeter, Sidecar, discard, partial_paths, resumable
 from executor.transfer._ranged import RangedDownload, plan_segments
-
-if TYPE_CHECKING:
-    from executor.transfer._fetch import TransferConfig
+from executor.transfer._urls import redact_url, url_host
 
 logger = logging.getLogger("executor.transfer")
 

@@ -145,7 +145,7 @@ def test_bad_inputs_leave_model_file_and_cache_unchanged(env, tmp_path: Path) ->
 
     def cache_listing() -> dict[str, int]:
         cache = tmp_path / "cache" / "tenants"
-        # Entry lock files (empty, kept on purpose: see executor/ledger.py) are not content.
+        # Entry lock files (empty, kept on purpose: see executor/shards/_ledger.py) are not content.
         return {
             str(p.relative_to(cache)): p.stat().st_size
             for p in cache.rglob("*")

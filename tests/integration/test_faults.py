@@ -23,7 +23,7 @@ from executor.delta import file_state_hash, make_sync_delta, read_delta, state_h
 from orchestrator.artifacts import ArtifactServer
 from settings import Settings
 from tasks.client import RoundClient
-from tasks.events import stream_name
+from tasks.names import stream_name
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer

@@ -87,7 +87,8 @@ def test_frames_are_bounded_and_checked(tmp_path: Path) -> None:
     for raw in (b"x" * (MAX_FRAME_BYTES + 10), b"not json\n", b"[1]\n", b'{"type": "log"}'):
         with pytest.raises(SandboxProtocolError):
             read_frame(io.BytesIO(raw))
-    assert checked_error({"code": "user_code_error", "message": "m" * 10_000})["message"] == "m" * 4096
+    checked = checked_error({"code": "user_code_error", "message": "m" * 10_000})
+    assert checked is not None and checked.message == "m" * 4096
     with pytest.raises(SandboxProtocolError):
         checked_error({"code": "made_up", "message": "x"})
 

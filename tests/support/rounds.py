@@ -9,7 +9,7 @@ from typing import Any
 from celery.result import AsyncResult
 
 from tasks.client import RoundClient
-from tasks.events import seq_key
+from tasks.names import seq_key
 
 # plain revoke, revoke with terminate (SIGUSR2), RoundClient.stop
 STOP_PATHS = ("revoke", "terminate", "client")

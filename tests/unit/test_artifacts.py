@@ -20,6 +20,7 @@ from executor.artifacts import (
     BUNDLE_DIRNAME,
     MODEL_FILENAME,
     ModelArtifact,
+    checkpoint_state,
     detect_format,
     load_state_file,
     materialize_model,
@@ -27,6 +28,7 @@ from executor.artifacts import (
     prepare_model_artifact,
 )
 from executor.artifacts import _bundle as bundle
+from executor.artifacts import _extract as extract
 from executor.errors import BadArtifact, InvalidRequest
 from tests.support.engine import tiny_vit
 
@@ -193,7 +195,7 @@ def vit_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (out / "preprocessor_config.json").write_text(
         json.dumps({"do_resize": True, "size": {"height": 32, "width": 32}, "image_mean": [0.5] * 3})
     )
-    torch.save(bundle.checkpoint_state(model), str(out.parent / "vit_state.pt"))  # the on-disk key names
+    torch.save(checkpoint_state(model), str(out.parent / "vit_state.pt"))  # the on-disk key names
     return out
 
 
@@ -239,7 +241,7 @@ def test_sharded_bundle_is_consolidated(tmp_path: Path, vit_dir: Path, prefix: s
     )
     assert (missing, unexpected) == ([], [])
     assert type(model).__name__ == "ViTForImageClassification"
-    assert_same_state(bundle.checkpoint_state(model), expected)
+    assert_same_state(checkpoint_state(model), expected)
 
 
 def test_consolidation_copies_in_bounded_chunks(
@@ -433,7 +435,7 @@ def test_extraction_counts_real_bytes(tmp_path: Path) -> None:
     with zipfile.ZipFile(src) as archive:
         members = {info.filename: info for info in archive.infolist()}
         with pytest.raises(BadArtifact, match="expands beyond the limit of 60000"):
-            bundle.extract_members(archive, members, str(root), max_bytes=60_000)
+            extract.extract_members(archive, members, str(root), max_bytes=60_000)
     assert sum(p.stat().st_size for p in root.iterdir()) <= 60_000
 
 
@@ -441,7 +443,7 @@ def test_torch_zip_is_not_mistaken_for_a_bundle(tmp_path: Path) -> None:
     src = tmp_path / "state.pt"
     torch.save(tiny_state(), str(src))
     with zipfile.ZipFile(src) as archive:
-        assert not bundle.is_bundle_zip(archive.namelist())
+        assert not extract.is_bundle_zip(archive.namelist())
     assert detect_format(str(src)) == "torch"
 
 

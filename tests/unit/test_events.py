@@ -10,7 +10,8 @@ import pytest
 
 from settings import Settings
 from tasks.client import RoundClient
-from tasks.events import EventPublisher, stream_name
+from tasks.events import EventPublisher
+from tasks.names import stream_name
 from tests.support.redis_server import RedisServer
 
 

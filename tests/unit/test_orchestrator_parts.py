@@ -12,7 +12,7 @@ import torch
 
 from executor import transfer
 from orchestrator.artifacts import ArtifactServer
-from orchestrator.outer import OuterOptimizer, mean_delta
+from orchestrator.diloco import OuterOptimizer, mean_delta
 from orchestrator.s3 import presign
 from settings import Settings
 

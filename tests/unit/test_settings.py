@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from settings import TASK_NAMES, Settings, celery_config
+from settings import Settings, celery_config
 
 
 def test_environment_prefix_and_types(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,5 +36,6 @@ def test_celery_config_is_json_only_one_at_a_time_and_long_visibility() -> None:
 
 def test_task_names_are_the_contract() -> None:
     from tasks.app import app
+    from tasks.names import TASK_NAMES
 
     assert set(TASK_NAMES) <= set(app.tasks)

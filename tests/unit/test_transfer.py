@@ -273,14 +273,14 @@ def test_sha256_mismatch_removes_everything(server: FaultServer, blob: tuple[str
 def test_one_stream_sha256_is_computed_while_the_file_is_written(
     server: FaultServer, blob: tuple[str, str], out: Path, monkeypatch: pytest.MonkeyPatch, fault: str | None
 ) -> None:
-    # No second pass over the finished file: the hash follows the writer (executor.follower),
+    # No second pass over the finished file: the hash follows the writer (transfer._follower),
     # also across a Range resume and across a restart from zero (a server ignoring Range).
-    import executor.transfer._fetch as transfer_module
+    import executor.transfer._local as local_module
 
     def second_pass(*_args: object, **_kwargs: object) -> str:
         raise AssertionError("the file was hashed again after the download")
 
-    monkeypatch.setattr(transfer_module, "_hash_file", second_pass)
+    monkeypatch.setattr(local_module, "hash_file", second_pass)
     relpath, digest = blob
     if fault is not None:
         server.add_fault(relpath, "reset", after_bytes=MIB, delay_s=0.2)
@@ -292,8 +292,8 @@ def test_one_stream_sha256_is_computed_while_the_file_is_written(
 
 
 def test_hash_follower_sees_a_truncated_and_rewritten_file(tmp_path: Path) -> None:
+    from executor.transfer._cancel import Cancel
     from executor.transfer._follower import HashFollower
-    from executor.transfer._http import Cancel
 
     path = tmp_path / "f"
     path.write_bytes(b"")
@@ -375,7 +375,7 @@ def test_parallel_ranged_download_is_byte_identical(
 def test_first_connection_probe_decides_the_split(
     server: FaultServer, root: Path, out: Path, fast: bool
 ) -> None:
-    # The first connection copies its first 16 MiB (stream.PROBE_BYTES) and splits only
+    # The first connection copies its first 16 MiB (transfer._stream.PROBE_BYTES) and splits only
     # when that ran slower than parallel_below_bytes_s; either way no byte is fetched twice.
     size = 40 * MIB
     digest = _write_random(root / "q.bin", size)

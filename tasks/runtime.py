@@ -1,9 +1,11 @@
-"""What lives in the prefork child: one Executor, its events, its stop paths, its heartbeat.
+"""What lives in the prefork child: one Executor, its settings, events, stop paths, heartbeat.
 
-Created in ``worker_process_init`` — after the fork, so CUDA (which is not fork-safe)
-is only ever touched here, never in the MainProcess — and reused by every task the
-child runs. The Executor's session dir is fixed per host, so a replacement child
-finds the previous one's files.
+:func:`runtime` builds the :class:`ChildRuntime` once per process, in
+``worker_process_init`` — after the fork, so CUDA (which is not fork-safe) is only
+ever touched here, never in the MainProcess — and every task the child runs reuses
+it. Importing this module imports neither torch nor the executor's engine. The
+Executor's session dir is fixed per host, so a replacement child finds the previous
+one's files.
 """
 
 from __future__ import annotations
@@ -22,19 +24,14 @@ from typing import Any
 import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
-from executor.errors import Stopped
-from settings import Settings
+from executor import Stopped
+from settings import Settings, get_settings
 from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
 from tasks.metrics import WorkerMetrics
+from tasks.names import heartbeat_key
 
 logger = logging.getLogger(__name__)
-
-HEARTBEAT_PREFIX = "roundhouse:hosts:"
-
-
-def heartbeat_key(host_id: str) -> str:
-    return HEARTBEAT_PREFIX + host_id
 
 
 @dataclass
@@ -237,3 +234,21 @@ def versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[package] = "unknown"
     return out
+
+
+_runtime: ChildRuntime | None = None
+
+
+def runtime() -> ChildRuntime:
+    """This process's runtime, from the one Settings (built on first use when a task runs
+    outside a prefork child)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = ChildRuntime(get_settings())
+    return _runtime
+
+
+def close_runtime(timeout_s: float = 2.0) -> None:
+    """Publish what the child's events still hold before it exits."""
+    if _runtime is not None:
+        _runtime.events.close(timeout_s=timeout_s)

@@ -1,0 +1,83 @@
+"""What a ``dataset_shards`` item parses into, and the tenant names the cache is keyed by.
+
+A cache entry is keyed by ``(tenant, shard id)``; the id is the descriptor's ``id`` or
+``sha256``, else its URL without the query string (a re-presigned URL is the same
+shard). A tenant name becomes a directory of the cache, hence its strict pattern.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from executor.errors import InvalidRequest
+
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_tenant(tenant: str) -> str:
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+        raise InvalidRequest(f"invalid tenant name {tenant!r}: use 1-64 of [A-Za-z0-9_.-]")
+    return tenant
+
+
+def strip_query(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+@dataclass(frozen=True)
+class ShardDescriptor:
+    url: str
+    compression: Literal["none", "zstd"] = "none"
+    size_bytes: int = 0
+    sha256: str | None = None
+    id: str | None = None
+
+    @classmethod
+    def parse(cls, item: object) -> ShardDescriptor:
+        """A URL string or ``{"url", "compression", "size_bytes", "sha256"?, "id"?}``."""
+        if isinstance(item, str):
+            item = {"url": item}
+        if not isinstance(item, Mapping):
+            raise InvalidRequest(f"a dataset shard must be a URL or an object, got {type(item).__name__}")
+        url = item.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest("a dataset shard descriptor needs a non-empty 'url'")
+        compression = item.get("compression") or "none"
+        if compression not in ("none", "zstd"):
+            raise InvalidRequest(f"unsupported shard compression {compression!r} (use 'none' or 'zstd')")
+        size = item.get("size_bytes") or 0
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidRequest("shard size_bytes must be a non-negative integer")
+        sha = item.get("sha256")
+        if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-fA-F]{64}", sha)):
+            raise InvalidRequest("shard sha256 must be 64 hex digits")
+        ident = item.get("id")
+        if ident is not None and (not isinstance(ident, str) or not ident):
+            raise InvalidRequest("shard id must be a non-empty string")
+        kind: Literal["none", "zstd"] = "zstd" if compression == "zstd" else "none"
+        return cls(url, kind, size, sha.lower() if sha else None, ident)
+
+    @property
+    def key(self) -> str:
+        if self.id:
+            return "id:" + self.id
+        if self.sha256:
+            return "sha256:" + self.sha256
+        return "url:" + strip_query(self.url)
+
+    def to_json(self) -> dict[str, Any]:
+        """Without the URL's query: descriptors appear in status and events."""
+        out: dict[str, Any] = {"url": strip_query(self.url), "compression": self.compression}
+        out.update(
+            {
+                k: v
+                for k, v in (("size_bytes", self.size_bytes), ("sha256", self.sha256), ("id", self.id))
+                if v
+            }
+        )
+        return out

@@ -1,0 +1,78 @@
+"""What a transfer is told and what it reports: :class:`TransferConfig`, :class:`FetchResult`
+and the :data:`Progress` callback type.
+
+The bottom of the package: it imports nothing from it. ``Settings`` is named for the type
+checker only: the sandboxed runner imports this package and must not import pydantic or
+the ``settings`` package at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from settings import Settings
+
+# What a transfer reports as it goes: (bytes done, total bytes or None when unknown).
+Progress = Callable[[int, int | None], None]
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How transfers behave; built from :class:`~settings.Settings` (``from_settings``), the one
+    place where the values and their defaults are written down."""
+
+    retries: int  # attempts per transfer (and per parallel segment)
+    backoff_s: float  # sleep backoff_s * attempt between attempts
+    connect_timeout_s: float
+    read_timeout_s: float  # a read stalled longer than this fails the attempt
+    # Files are copied and hashed through one reused buffer of this size; network reads take
+    # at most this much per call, into the same kind of buffer (_body.body_reader).
+    buffer_bytes: int
+    parallel_min_bytes: int
+    parallel_connections: int
+    # Split only when the first connection ran slower than this over its first 16 MiB
+    # (_stream.PROBE_BYTES); 0: always split.
+    parallel_below_bytes_s: int
+    # A server that trickles below this rate for this long fails the attempt (slow loris).
+    low_speed_bytes_s: int
+    low_speed_time_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TransferConfig:
+        return cls(
+            retries=settings.download_retries,
+            backoff_s=settings.download_backoff_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+            buffer_bytes=settings.download_buffer_bytes,
+            parallel_min_bytes=settings.parallel_min_bytes,
+            parallel_connections=settings.parallel_connections,
+            parallel_below_bytes_s=settings.parallel_below_bytes_s,
+            low_speed_bytes_s=settings.download_low_speed_bytes_s,
+            low_speed_time_s=settings.download_low_speed_time_s,
+        )
+
+    @property
+    def timeout(self) -> tuple[float, float]:
+        return (self.connect_timeout_s, self.read_timeout_s)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    bytes: int
+    seconds: float
+    resumed_bytes: int  # already on disk from an earlier attempt or process
+    connections: int  # HTTP streams used; 0 for a local copy
+    sha256: str | None  # hex digest, only when it was checked
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "resumed_bytes": self.resumed_bytes,
+            "connections": self.connections,
+            "sha256": self.sha256,
+        }

@@ -1,0 +1,80 @@
+"""URLs as the transfer layer shows and dispatches them.
+
+Presigned query strings are credentials, so a URL reaches messages and logs only through
+:func:`redact_url`, library messages only through :func:`scrub` (also applied, by a log
+filter installed on import, to urllib3's DEBUG lines). :func:`locate` tells an HTTP(S)
+URL from a local file (``file://`` or a plain path).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+from executor.errors import InvalidRequest
+
+_QUERY_IN_TEXT = re.compile(r"\?[^\s'\"<>()]*")
+
+
+def redact_url(url: str) -> str:
+    """``scheme://host[:port]/path``: never the query string, fragment or userinfo."""
+    parts = urlsplit(url)
+    if parts.netloc:
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        try:
+            port = f":{parts.port}" if parts.port else ""
+        except ValueError:
+            port = ""
+        return f"{parts.scheme}://{host}{port}{parts.path}"
+    if parts.scheme == "file":
+        return f"file://{parts.path}"
+    # A plain filesystem path is not a URL: '?' is a legal file name character.
+    return url
+
+
+def url_host(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+def scrub(text: str) -> str:
+    """Remove query strings from library messages (urllib3 puts the full request path in them)."""
+    return _QUERY_IN_TEXT.sub("?<redacted>", text)
+
+
+def describe(exc: BaseException) -> str:
+    text = scrub(str(exc))
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def locate(url: str) -> tuple[Literal["http", "local"], str]:
+    """``("http", url)`` or ``("local", path)``; ``InvalidRequest`` for any other scheme."""
+    parts = urlsplit(url)
+    if parts.scheme in ("http", "https"):
+        return "http", url
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidRequest(f"file URL with a remote host: {redact_url(url)}")
+        return "local", unquote(parts.path)
+    if "://" in url:
+        raise InvalidRequest(f"unsupported URL scheme {parts.scheme!r}: {redact_url(url)}")
+    return "local", url
+
+
+class _RedactQueries(logging.Filter):
+    """urllib3 logs request lines and redirects with their query strings at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "?" in message:
+            record.msg, record.args = scrub(message), None
+        return True
+
+
+for _name in ("urllib3.connectionpool", "urllib3.poolmanager", "urllib3.util.retry"):
+    logging.getLogger(_name).addFilter(_RedactQueries())

@@ -1,0 +1,236 @@
+"""The layout of DESIGN §2 holds: one package per concept, imports in one direction.
+
+The import graph is read from the source with ``ast``, so it sees what the interpreter
+may not: imports inside functions and under ``if TYPE_CHECKING:`` count like any other.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT = ("executor", "tasks", "orchestrator", "settings")
+CALLERS = ("bench", "scripts", "tests")  # import the project, are imported by nothing in it
+
+GROUND_FLOOR = ("errors", "results", "fileio", "stopping", "tensorfile")
+PACKAGES = ("transfer", "delta", "shards", "artifacts", "rounds", "sandbox")
+
+# Where each part of the engine stands: a module imports only parts of a lower rank (or its own).
+RANKS = {
+    "executor.errors": 0,
+    "executor.fileio": 0,
+    "executor.results": 1,
+    "executor.stopping": 1,
+    "executor.tensorfile": 1,
+    "executor.placement": 2,
+    "executor.preprocess": 2,
+    "executor.transfer": 3,
+    "executor.delta": 4,
+    "executor.artifacts": 4,
+    "executor.shards": 4,
+    "executor.rounds": 5,
+    "executor.sandbox": 6,
+    "executor.modelfile": 7,
+    "executor.session": 8,
+    "executor.core": 9,
+    "executor": 10,  # the package: errors and results eagerly, Executor lazily
+}
+assert {f"executor.{name}" for name in GROUND_FLOOR} == {m for m, r in RANKS.items() if r <= 1}
+
+# White-box tests of one private module each: what they reach into, and why.
+WHITE_BOX = {
+    ("tests.unit.test_transfer", "executor.transfer._ranged"),  # segment progress granularity
+    ("tests.unit.test_transfer", "executor.transfer._follower"),  # the hash follower alone
+    ("tests.unit.test_transfer", "executor.transfer._cancel"),  # Cancel, driven by hand
+    ("tests.unit.test_transfer", "executor.transfer._local"),  # the second-pass hash, patched
+    ("tests.unit.test_delta", "executor.delta._sync"),  # slice size, patched small
+    ("tests.unit.test_artifacts", "executor.artifacts._extract"),  # zip members, one by one
+    ("tests.unit.test_artifacts", "executor.artifacts._bundle"),  # copy chunk size, patched small
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources(roots: tuple[str, ...]) -> dict[str, Path]:
+    found = {}
+    for root in roots:
+        for path in sorted((REPO / root).rglob("*.py")):
+            found[module_name(path)] = path
+    return found
+
+
+def imported(path: Path, name: str, known: set[str]) -> Iterator[str]:
+    """Every project module ``path`` imports, wherever the import statement stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield from _resolve(alias.name, known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                # ``from pkg import module`` depends on the module, not on pkg's __init__.
+                submodule = f"{base}.{alias.name}"
+                yield from _resolve(submodule if submodule in known else base, known)
+
+
+def _resolve(name: str, known: set[str]) -> Iterator[str]:
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    if name:
+        yield name
+
+
+def graph(roots: tuple[str, ...]) -> dict[str, set[str]]:
+    modules = sources(roots)
+    known = set(sources(PROJECT + CALLERS))
+    return {name: set(imported(path, name, known)) - {name} for name, path in modules.items()}
+
+
+def is_private(module: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+
+
+def owner(private: str) -> str:
+    """The package a private module belongs to: everything before its first private part."""
+    parts = private.split(".")
+    first = next(i for i, part in enumerate(parts) if part.startswith("_") and not part.startswith("__"))
+    return ".".join(parts[:first])
+
+
+def rank(module: str) -> int | None:
+    while module:
+        if module in RANKS:
+            return RANKS[module]
+        module = module.rpartition(".")[0]
+    return None
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_graph_sees_hidden_imports() -> None:
+    # The checker itself: an import inside a function and one under TYPE_CHECKING are edges.
+    edges = graph(PROJECT)
+    assert "executor.core" in edges["executor"], "executor/__init__ imports Executor lazily"
+    assert "settings" in edges["executor.transfer._config"], "Settings is imported for typing only"
+
+
+def test_no_import_cycle() -> None:
+    cycle = find_cycle(graph(PROJECT))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_a_private_module_is_imported_only_inside_its_package() -> None:
+    wrong = []
+    for module, targets in graph(PROJECT + CALLERS).items():
+        for target in targets:
+            if not is_private(target) or (module + ".").startswith(owner(target) + "."):
+                continue
+            if (module, target) not in WHITE_BOX:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_white_box_exceptions_are_still_needed() -> None:
+    edges = graph(CALLERS)
+    stale = [pair for pair in WHITE_BOX if pair[1] not in edges.get(pair[0], set())]
+    assert not stale, f"no longer imported, drop from WHITE_BOX: {stale}"
+
+
+def test_the_engine_imports_downward_only() -> None:
+    upward = []
+    for module, targets in graph(("executor",)).items():
+        here = rank(module)
+        for target in targets:
+            there = rank(target)
+            same_part = there == here and (module + ".").startswith(_part(target) + ".")
+            if there is not None and here is not None and there >= here and not same_part:
+                upward.append(f"{module} (rank {here}) imports {target} (rank {there})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def _part(module: str) -> str:
+    while module and module not in RANKS:
+        module = module.rpartition(".")[0]
+    return module
+
+
+def test_the_engine_does_not_know_celery() -> None:
+    # DESIGN §2: executor/ stays usable without Celery; tasks/ is the only glue.
+    for module, path in sources(("executor",)).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = [
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+        ]
+        assert not [n for n in names if n.split(".")[0] in ("celery", "kombu", "billiard", "tasks")], module
+
+
+def test_every_package_lists_its_public_surface() -> None:
+    for name in PACKAGES:
+        init = REPO / "executor" / name / "__init__.py"
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        assert ast.get_docstring(tree), f"executor.{name} has no docstring"
+        exported = [
+            node
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)
+        ]
+        assert exported, f"executor.{name} has no __all__"
+        names = ast.literal_eval(exported[0].value)
+        bound = {
+            alias.asname or alias.name
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        }
+        assert set(names) <= bound, f"executor.{name}.__all__ names what it does not import"
+
+
+def test_modules_and_functions_stay_small() -> None:
+    # DESIGN §10: modules of 100-500 lines, functions under ~70.
+    too_long = []
+    for module, path in sources(PROJECT).items():
+        text = path.read_text(encoding="utf-8")
+        lines = text.count("\n")
+        if lines > 500:
+            too_long.append(f"{module}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 70:
+                    too_long.append(f"{module}.{node.name}: {length} lines")
+    assert not too_long, "\n".join(too_long)
