@@ -30,6 +30,7 @@ from bench.common import save, scratch
 from orchestrator.local import EmbeddedRedis, LocalWorker
 from settings import Settings
 from tasks.client import RoundClient
+from tasks.names import RUN_ROUND, queue_name
 from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.rounds import STOP_PATHS, event_seq, stop_task, stored_result, wait_for_log
@@ -112,9 +113,9 @@ def stop_once(client: RoundClient, path: str, number: int) -> float:
     since = event_seq(client, HOST)
     if path == "soft time limit":
         pending = client.app.send_task(
-            "roundhouse.run_round",
+            RUN_ROUND,
             kwargs={"steps": 1, "round_num": SPIN_FROM + number},
-            queue=f"roundhouse.{HOST}",
+            queue=queue_name(HOST),
             soft_time_limit=SOFT_LIMIT_S,
         )
     else:

@@ -213,14 +213,16 @@ def describe(exc: BaseException, limit: int = CAUSE_CHARS) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def into(kind: type[RoundhouseError], what: str) -> Callable[[BaseException], RoundhouseError]:
+def into(
+    kind: type[RoundhouseError], what: str, limit: int = CAUSE_CHARS
+) -> Callable[[BaseException], RoundhouseError]:
     """A translation for :func:`map_exceptions`: ``kind("<what>: <the cause described>")``."""
-    return lambda exc: kind(f"{what}: {describe(exc)}")
+    return lambda exc: kind(f"{what}: {describe(exc, limit)}")
 
 
-Translations = Mapping[
-    type[BaseException] | tuple[type[BaseException], ...], Callable[[BaseException], RoundhouseError]
-]
+# Keys: an exception type or a tuple of them (as ``except`` takes them). Typed Any because a
+# Mapping's key type is invariant: {OSError: ...} would not be a Mapping[type[BaseException], ...].
+Translations = Mapping[Any, Callable[[BaseException], RoundhouseError]]
 
 
 @contextmanager

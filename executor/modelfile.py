@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from executor import artifacts, transfer
 from executor.delta import apply_sync_delta, file_state_hash
-from executor.errors import NO_SPACE_ERRNOS, BadArtifact, HashMismatch, Stopped, error_info, storage_full
+from executor.errors import HashMismatch, Stopped, error_info
 from executor.fileio import TEMP_SUFFIX, remove_quietly
 from executor.results import ApplyVia
 from executor.transfer import Progress
@@ -163,11 +163,6 @@ class ModelFiles:
                 max_bundle_bytes=self._bundle_max_bytes,
                 max_bundle_files=self._bundle_max_files,
             )
-        except BadArtifact as exc:
-            cause = exc.__cause__
-            if isinstance(cause, OSError) and cause.errno in NO_SPACE_ERRNOS:
-                raise storage_full(cause, dest_dir) from None  # not the artifact's fault
-            raise
         finally:
             if os.path.exists(download):
                 os.unlink(download)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from executor.errors import GpuOutOfMemory, InvalidRequest
+from executor.errors import GpuOutOfMemory, InvalidRequest, describe, map_exceptions
 from executor.fileio import MIB
 
 INFERENCE_MULTIPLIER = 1.15
@@ -70,10 +70,13 @@ def memory_multiplier(params: Mapping[str, Any], training: bool) -> float:
         full = params.get("train_mode", "head") == "all"
         default = FULL_TRAINING_MULTIPLIER if full else HEAD_TRAINING_MULTIPLIER
     raw = params.get("training_memory_multiplier", default)
-    try:
+    not_a_number = {
+        (TypeError, ValueError): lambda _: InvalidRequest(
+            f"params.training_memory_multiplier must be a number, got {raw!r}"
+        )
+    }
+    with map_exceptions(not_a_number):
         multiplier = float(raw)
-    except (TypeError, ValueError):
-        raise InvalidRequest(f"params.training_memory_multiplier must be a number, got {raw!r}") from None
     if not multiplier > 0:
         raise InvalidRequest(f"params.training_memory_multiplier must be positive, got {raw!r}")
     return multiplier
@@ -116,7 +119,15 @@ def _dispatch(
     free: int,
     cuda: bool,
 ) -> torch.nn.Module:
-    try:
+    def split_failed(exc: BaseException) -> GpuOutOfMemory:
+        return GpuOutOfMemory(
+            "Model does not fit GPU and automatic module sharding failed. "
+            "Use a standard torch/torchvision/Hugging Face module tree or "
+            f"configure no_split_module_classes. Cause: {exc}",
+            {"model_bytes": model_bytes(model), "free_bytes": free, "cause": describe(exc)},
+        )
+
+    with map_exceptions({Exception: split_failed}):
         from accelerate import dispatch_model, infer_auto_device_map
 
         # One round owns this directory; stale offload files of another layout would waste gigabytes.
@@ -130,13 +141,6 @@ def _dispatch(
         )
         device_map = _expand_whole_disk(model, device_map)
         placed = dispatch_model(model, device_map=device_map, offload_dir=offload_dir, offload_buffers=True)
-    except Exception as exc:
-        raise GpuOutOfMemory(
-            "Model does not fit GPU and automatic module sharding failed. "
-            "Use a standard torch/torchvision/Hugging Face module tree or "
-            f"configure no_split_module_classes. Cause: {exc}",
-            {"model_bytes": model_bytes(model), "free_bytes": free, "cause": f"{type(exc).__name__}: {exc}"},
-        ) from exc
     emit_log(PLACEMENT_LOG)
     return placed
 

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import torch
 
-from executor.errors import BadArtifact
+from executor.errors import BadArtifact, into, map_exceptions
 
 # A bound on the JSON header: the largest real checkpoints have headers of a few MB.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -45,10 +45,10 @@ _DTYPE_TO_CODE = {dtype: code for code, dtype in _CODE_TO_DTYPE.items()}
 
 
 def dtype_code(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_TO_CODE[dtype]
-    except KeyError:
-        raise BadArtifact(f"dtype {dtype} cannot be stored in safetensors") from None
+    code = _DTYPE_TO_CODE.get(dtype)
+    if code is None:
+        raise BadArtifact(f"dtype {dtype} cannot be stored in safetensors")
+    return code
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -141,10 +141,11 @@ def header_length(prefix: bytes) -> int:
 
 def parse_header(raw: bytes, file_size: int | None) -> Header:
     """Validate a JSON header; ``file_size`` None skips the truncation check (streams check as they read)."""
-    try:
+    # A hostile header may nest deeply enough to exhaust the parser's recursion.
+    with map_exceptions(
+        {(ValueError, RecursionError): into(BadArtifact, "safetensors header is not valid JSON")}
+    ):
         parsed = json.loads(raw)
-    except ValueError as exc:
-        raise BadArtifact(f"safetensors header is not valid JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise BadArtifact("safetensors header is not a JSON object")
     metadata = parsed.pop("__metadata__", None) or {}

@@ -37,7 +37,7 @@ from executor.artifacts._extract import (
     read_json_member,
     reject_remote_code,
 )
-from executor.errors import BadArtifact
+from executor.errors import BadArtifact, into, map_exceptions
 
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -75,10 +75,10 @@ def stage_bundle(
     Nothing outside the staging dir and ``model_out`` is touched; on failure the
     staging dir is removed and ``BadArtifact`` raised.
     """
-    try:
+    with map_exceptions(
+        {(zipfile.BadZipFile, OSError): into(BadArtifact, "model bundle is not a readable zip")}
+    ):
         archive = zipfile.ZipFile(zip_path)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise BadArtifact(f"model bundle is not a readable zip: {exc}") from None
     with archive:
         members = check_members(archive, max_bytes=max_bytes, max_files=max_files)
         prefix = find_root(members)

@@ -16,7 +16,7 @@ import zipfile
 from collections.abc import Mapping
 from typing import IO, Any
 
-from executor.errors import BadArtifact
+from executor.errors import BadArtifact, into, map_exceptions
 
 CONFIG_NAME = "config.json"
 # Real checkpoints deflate to ~1.1x and JSON/tokenizer files to ~10x; a member that
@@ -111,20 +111,19 @@ def read_json_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str)
 
 
 def parse_json_object(raw: bytes, name: str) -> dict[str, Any]:
-    try:
+    with map_exceptions(
+        {(ValueError, RecursionError): into(BadArtifact, f"bundle {name} is not valid JSON")}
+    ):
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadArtifact(f"bundle {name} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise BadArtifact(f"bundle {name} is not a JSON object")
     return value
 
 
 def read_bounded(source: IO[bytes], limit: int, name: str) -> bytes:
-    try:
+    unreadable = (zipfile.BadZipFile, OSError, EOFError, ValueError)
+    with map_exceptions({unreadable: into(BadArtifact, f"bundle member {name} cannot be read")}):
         data = source.read(limit + 1)
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise BadArtifact(f"bundle member {name} cannot be read: {exc}") from None
     if len(data) > limit:
         raise BadArtifact(f"bundle {name} is larger than {limit} bytes")
     return data
@@ -141,13 +140,12 @@ def extract_members(
     for name in sorted(members):
         info = members[name]
         target = os.path.join(root, *name.split("/"))
-        try:
+        cannot = into(BadArtifact, f"bundle member {name!r} cannot be extracted")
+        with map_exceptions({OSError: cannot}, where=root):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             # O_EXCL | O_NOFOLLOW: never write through something that is already there.
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-        except OSError as exc:
-            raise BadArtifact(f"bundle member {name!r} cannot be extracted: {exc}") from None
-        with os.fdopen(fd, "wb") as sink:
+        with os.fdopen(fd, "wb") as sink, map_exceptions({OSError: cannot}, where=root):
             written = _copy_member(archive, info, name, sink, written, max_bytes)
     return written
 
@@ -156,19 +154,16 @@ def _copy_member(
     archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, sink: IO[bytes], written: int, max_bytes: int
 ) -> int:
     member_bytes = 0
-    try:
-        with archive.open(info) as source:
-            while chunk := source.read(1024 * 1024):
-                member_bytes += len(chunk)
-                written += len(chunk)
-                if written > max_bytes:
-                    raise BadArtifact(f"bundle expands beyond the limit of {max_bytes} bytes")
-                if member_bytes > info.file_size:
-                    raise BadArtifact(f"bundle member {name!r} is larger than its header says")
-                sink.write(chunk)
-    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
-        # zipfile stops at the declared size, so a lying header surfaces here as a bad CRC.
-        raise BadArtifact(f"bundle member {name!r} is corrupt: {exc}") from None
-    except OSError as exc:
-        raise BadArtifact(f"bundle member {name!r} cannot be extracted: {exc}") from None
+    # zipfile stops at the declared size, so a lying header surfaces here as a bad CRC.
+    corrupt = (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, RuntimeError)
+    translated = map_exceptions({corrupt: into(BadArtifact, f"bundle member {name!r} is corrupt")})
+    with translated, archive.open(info) as source:
+        while chunk := source.read(1024 * 1024):
+            member_bytes += len(chunk)
+            written += len(chunk)
+            if written > max_bytes:
+                raise BadArtifact(f"bundle expands beyond the limit of {max_bytes} bytes")
+            if member_bytes > info.file_size:
+                raise BadArtifact(f"bundle member {name!r} is larger than its header says")
+            sink.write(chunk)
     return written

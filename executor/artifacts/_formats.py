@@ -31,7 +31,7 @@ import torch
 from executor import fileio, tensorfile
 from executor.artifacts import _bundle as bundle
 from executor.artifacts._extract import is_bundle_zip
-from executor.errors import BadArtifact, RoundhouseError
+from executor.errors import BadArtifact, RoundhouseError, Translations, describe, into, map_exceptions
 
 MODEL_FILENAME = "model.safetensors"
 BUNDLE_DIRNAME = "bundle"
@@ -40,7 +40,7 @@ TORCH = "torch"
 HF_BUNDLE = "hf_bundle"
 _SUFFIXES = (".safetensors", ".zip", ".pth", ".bin", ".pt")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-_MAX_CAUSE_CHARS = 2000
+LONG_CAUSE_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,6 @@ class ModelArtifact:
         }
 
 
-def cause(exc: BaseException) -> str:
-    """An exception as one bounded line for an error message (size-mismatch reports run long)."""
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= _MAX_CAUSE_CHARS else text[:_MAX_CAUSE_CHARS] + " ..."
-
-
 def model_suffix(url: str) -> str:
     """The model file's suffix from the URL's path (query ignored); ``.pt`` when unknown."""
     path = urlparse(url).path.lower()
@@ -87,11 +81,9 @@ def detect_format(path: str, hint: str = "") -> str:
     if not head:
         raise BadArtifact("model file is empty")
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except (zipfile.BadZipFile, OSError) as exc:
-            raise BadArtifact(f"model file looks like a zip but cannot be read: {exc}") from None
+        unreadable = into(BadArtifact, "model file looks like a zip but cannot be read")
+        with map_exceptions({(zipfile.BadZipFile, OSError): unreadable}), zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
         return HF_BUNDLE if is_bundle_zip(names) else TORCH
     # safetensors: u64le header length, then the JSON header's opening brace.
     if (
@@ -126,7 +118,10 @@ def prepare_model_artifact(
     os.makedirs(dest_dir, exist_ok=True)
     model_path = os.path.join(dest_dir, MODEL_FILENAME)
     bundle_dir = os.path.join(dest_dir, BUNDLE_DIRNAME)
-    try:
+    # A full disk is not the artifact's fault: it is StorageFull, naming the directory.
+    with map_exceptions(
+        {Exception: into(BadArtifact, "model artifact cannot be prepared", LONG_CAUSE_CHARS)}, where=dest_dir
+    ):
         source_format = detect_format(downloaded, os.path.splitext(downloaded)[1].lower())
         if source_format == SAFETENSORS:
             keys = _install_safetensors(downloaded, model_path)
@@ -139,10 +134,6 @@ def prepare_model_artifact(
             bundle.commit_bundle(staged, bundle_dir)
         else:
             shutil.rmtree(bundle_dir, ignore_errors=True)
-    except RoundhouseError:
-        raise
-    except Exception as exc:
-        raise BadArtifact(f"model artifact cannot be prepared: {cause(exc)}") from exc
     if source_format != SAFETENSORS:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(downloaded)
@@ -248,14 +239,14 @@ def load_torch_state(path: str) -> dict[str, torch.Tensor]:
         is_zip = file.read(4) == b"PK\x03\x04"
     if is_zip:
         _check_torch_zip(path)
-    try:
-        loaded = _torch_load(path, mmap=is_zip)
-    except pickle.UnpicklingError as exc:
-        raise BadArtifact(
+    refused: Translations = {
+        pickle.UnpicklingError: lambda exc: BadArtifact(
             f"serialized modules are rejected: the checkpoint holds more than tensors ({_refusal(exc)})"
-        ) from None
-    except Exception as exc:
-        raise BadArtifact(f"torch checkpoint cannot be read: {cause(exc)}") from None
+        ),
+        Exception: into(BadArtifact, "torch checkpoint cannot be read", LONG_CAUSE_CHARS),
+    }
+    with map_exceptions(refused):
+        loaded = _torch_load(path, mmap=is_zip)
     return state_from_loaded(loaded, BadArtifact)
 
 
@@ -269,10 +260,10 @@ def _torch_load(path: str, *, mmap: bool) -> Any:
 
 def _check_torch_zip(path: str) -> None:
     # torch.save stores members uncompressed; a compressed one could only be a bomb.
-    try:
+    with map_exceptions(
+        {(zipfile.BadZipFile, OSError): into(BadArtifact, "torch checkpoint is not a readable zip")}
+    ):
         archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise BadArtifact(f"torch checkpoint is not a readable zip: {exc}") from None
     with archive:
         for info in archive.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
@@ -287,7 +278,7 @@ def _refusal(exc: BaseException) -> str:
         line = line.strip()
         if line.startswith("WeightsUnpickler error:"):
             return line.removeprefix("WeightsUnpickler error:").split(" Please use", 1)[0].strip()
-    return cause(exc)
+    return describe(exc, LONG_CAUSE_CHARS)
 
 
 def state_from_loaded(loaded: Any, error: type[RoundhouseError]) -> dict[str, torch.Tensor]:
@@ -316,12 +307,10 @@ def state_from_loaded(loaded: Any, error: type[RoundhouseError]) -> dict[str, to
 
 def load_state_file(path: str) -> dict[str, torch.Tensor]:
     """What user code's ``load_model(path)`` returns: a safetensors or weights-only torch state dict."""
-    try:
+    with map_exceptions({OSError: into(BadArtifact, "model file cannot be read")}):
         source_format = detect_format(path, os.path.splitext(path)[1].lower())
         if source_format == SAFETENSORS:
             return tensorfile.load_state(path)
         if source_format == TORCH:
             return load_torch_state(path)
-    except OSError as exc:
-        raise BadArtifact(f"model file cannot be read: {exc}") from None
     raise BadArtifact("a Hugging Face bundle zip is not a state file; load the executor's model_path instead")

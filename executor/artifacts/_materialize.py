@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from executor.artifacts._formats import cause, state_from_loaded
-from executor.errors import BadArtifact, InvalidRequest, RoundhouseError
+from executor.artifacts._formats import LONG_CAUSE_CHARS, state_from_loaded
+from executor.errors import BadArtifact, InvalidRequest, RoundhouseError, Translations, into, map_exceptions
 
 # --- Hugging Face ----------------------------------------------------------------------------
 
@@ -79,10 +79,10 @@ def hf_class_from_params(params: Mapping[str, Any]) -> tuple[type, Any]:
     if "auto_map" in config_data or config_data.get("trust_remote_code"):
         raise InvalidRequest("params.hf_config must not ask for remote code (auto_map/trust_remote_code)")
     factory = _hf_factory(params)
-    try:
+    with map_exceptions(
+        {Exception: into(InvalidRequest, "params.hf_config cannot be built", LONG_CAUSE_CHARS)}
+    ):
         config = AutoConfig.for_model(str(model_type), **config_data)
-    except Exception as exc:
-        raise InvalidRequest(f"params.hf_config cannot be built: {cause(exc)}") from None
     return _task_class(factory, config, InvalidRequest), config
 
 
@@ -90,12 +90,12 @@ def bundle_model_class(bundle_root: str, params: Mapping[str, Any]) -> tuple[typ
     """The bundle's own architecture (config.json ``architectures``), else the ``hf_task`` class."""
     import transformers
 
-    try:
+    with map_exceptions(
+        {Exception: into(BadArtifact, "bundle config.json cannot be loaded", LONG_CAUSE_CHARS)}
+    ):
         config = transformers.AutoConfig.from_pretrained(
             bundle_root, trust_remote_code=False, local_files_only=True
         )
-    except Exception as exc:
-        raise BadArtifact(f"bundle config.json cannot be loaded: {cause(exc)}") from None
     if getattr(config, "auto_map", None):
         raise BadArtifact("bundle config.json needs remote code (auto_map); it is never executed")
     for name in getattr(config, "architectures", None) or []:
@@ -112,7 +112,11 @@ def load_hf_model(
     dtype = getattr(config, "dtype", None) or torch.get_default_dtype()
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, torch.get_default_dtype())
-    try:
+    translations: Translations = {
+        RuntimeError: into(error, f"the state dict does not fit {cls.__name__}", LONG_CAUSE_CHARS),
+        Exception: into(error, f"{cls.__name__} cannot be built", LONG_CAUSE_CHARS),
+    }
+    with map_exceptions(translations):
         # The model's dtype follows its config, as from_config would, not the state's.
         model, info = cls.from_pretrained(
             None,
@@ -122,10 +126,6 @@ def load_hf_model(
             output_loading_info=True,
             local_files_only=True,
         )
-    except RuntimeError as exc:
-        raise error(f"the state dict does not fit {cls.__name__}: {cause(exc)}") from None
-    except Exception as exc:
-        raise error(f"{cls.__name__} cannot be built: {cause(exc)}") from None
     return model, sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
 
 
@@ -155,10 +155,9 @@ def materialize_model(
         cls, config = hf_class_from_params(params)
         return load_hf_model(cls, config, state, InvalidRequest)
     model = _build_vision_model(backend, model_name, params)
-    try:
+    unfit = into(InvalidRequest, f"the state dict does not fit {model_name!r}", LONG_CAUSE_CHARS)
+    with map_exceptions({RuntimeError: unfit}):
         missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:
-        raise InvalidRequest(f"the state dict does not fit {model_name!r}: {cause(exc)}") from None
     return model, _untied(model, state, list(missing)), list(unexpected)
 
 
@@ -170,13 +169,17 @@ def _untied(model: torch.nn.Module, state: Mapping[str, torch.Tensor], missing: 
 
 
 def _build_vision_model(backend: str, model_name: str, params: Mapping[str, Any]) -> torch.nn.Module:
-    try:
-        classes = int(params.get("num_classes", 1000))
-    except (TypeError, ValueError):
-        raise InvalidRequest(
-            f"params.num_classes must be an integer, got {params.get('num_classes')!r}"
-        ) from None
-    try:
+    raw = params.get("num_classes", 1000)
+    not_an_int = {
+        (TypeError, ValueError): lambda _: InvalidRequest(
+            f"params.num_classes must be an integer, got {raw!r}"
+        )
+    }
+    with map_exceptions(not_an_int):
+        classes = int(raw)
+    with map_exceptions(
+        {Exception: into(InvalidRequest, f"{backend} cannot build {model_name!r}", LONG_CAUSE_CHARS)}
+    ):
         if backend == "timm":
             import timm
 
@@ -185,8 +188,6 @@ def _build_vision_model(backend: str, model_name: str, params: Mapping[str, Any]
             from torchvision import models
 
             return models.get_model(model_name, weights=None, num_classes=classes)
-    except Exception as exc:
-        raise InvalidRequest(f"{backend} cannot build {model_name!r}: {cause(exc)}") from None
     raise InvalidRequest(
         f"unsupported params.model_backend {backend!r}; use timm, torchvision or huggingface"
     )

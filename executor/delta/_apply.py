@@ -31,7 +31,7 @@ from executor.delta._sync import (
     result_dtype,
 )
 from executor.delta._wire import load_torch_delta, looks_like_safetensors
-from executor.errors import BadArtifact, HashMismatch, Stopped
+from executor.errors import BadArtifact, HashMismatch, Stopped, into, map_exceptions
 from executor.fileio import atomic_writer
 from executor.tensorfile import (
     StreamWriter,
@@ -57,16 +57,14 @@ class DeltaSource:
     def __init__(self, path: str) -> None:
         self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
         try:
-            self._reader: zstandard.ZstdDecompressionReader | None = (
-                zstandard.ZstdDecompressor().stream_reader(self._file, read_across_frames=True)
-            )
-            self._position = 0
-            self._memory: memoryview | None = None
-            self._tensors: dict[str, torch.Tensor] | None = None
-            self.specs = self._open()
-        except zstandard.ZstdError as exc:
-            self.close()
-            raise BadArtifact(f"delta is not valid zstd: {exc}") from None
+            with map_exceptions({zstandard.ZstdError: into(BadArtifact, "delta is not valid zstd")}):
+                self._reader: zstandard.ZstdDecompressionReader | None = (
+                    zstandard.ZstdDecompressor().stream_reader(self._file, read_across_frames=True)
+                )
+                self._position = 0
+                self._memory: memoryview | None = None
+                self._tensors: dict[str, torch.Tensor] | None = None
+                self.specs = self._open()
         except BaseException:
             self.close()
             raise

@@ -22,7 +22,7 @@ import torch
 import zstandard
 
 from executor.delta._sync import HASH_PREFIX, hash_entry_header, is_floating
-from executor.errors import BadArtifact
+from executor.errors import BadArtifact, into, map_exceptions
 from executor.fileio import atomic_writer
 from executor.tensorfile import StreamWriter, dtype_name, read_header, read_tensor, tensor_bytes
 
@@ -72,11 +72,9 @@ def write_delta(delta: Mapping[str, torch.Tensor], path: str) -> DeltaFile:
 
 
 def _decompressed(path: str) -> bytes:
-    with open(path, "rb") as file:
-        try:
-            return zstandard.ZstdDecompressor().stream_reader(file, read_across_frames=True).read()
-        except zstandard.ZstdError as exc:
-            raise BadArtifact(f"delta is not valid zstd: {exc}") from None
+    not_zstd = map_exceptions({zstandard.ZstdError: into(BadArtifact, "delta is not valid zstd")})
+    with open(path, "rb") as file, not_zstd:
+        return zstandard.ZstdDecompressor().stream_reader(file, read_across_frames=True).read()
 
 
 def read_delta(path: str) -> dict[str, torch.Tensor]:
@@ -85,10 +83,8 @@ def read_delta(path: str) -> dict[str, torch.Tensor]:
     if looks_like_safetensors(data[:8], len(data)):
         from safetensors.torch import load as load_safetensors
 
-        try:
+        with map_exceptions({Exception: into(BadArtifact, "delta safetensors is corrupt")}):
             return dict(load_safetensors(data))
-        except Exception as exc:
-            raise BadArtifact(f"delta safetensors is corrupt: {exc}") from None
     return load_torch_delta(data)
 
 
@@ -100,10 +96,9 @@ def looks_like_safetensors(prefix: bytes, total: int | None) -> bool:
 
 
 def load_torch_delta(data: bytes) -> dict[str, torch.Tensor]:
-    try:
+    what = "delta is neither safetensors nor a weights-only torch dict"
+    with map_exceptions({Exception: into(BadArtifact, what)}):
         loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise BadArtifact(f"delta is neither safetensors nor a weights-only torch dict: {exc}") from None
     if not isinstance(loaded, dict) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
     ):

@@ -22,7 +22,16 @@ from typing import Any
 
 import torch
 
-from executor.errors import ErrorInfo, ScriptRejected, StopExecution, Stopped, UserCodeError
+from executor.errors import (
+    ErrorInfo,
+    ScriptRejected,
+    StopExecution,
+    Stopped,
+    Translations,
+    UserCodeError,
+    into,
+    map_exceptions,
+)
 from executor.rounds._namespace import RoundOutputs, trained_state
 from executor.rounds._outcome import failure
 from executor.stopping import UserCodeShield
@@ -41,17 +50,22 @@ def validate_script(code: object, *, max_bytes: int = 1024 * 1024) -> CodeType:
         raise ScriptRejected("code contains a NUL character")
     if not code.strip():
         raise ScriptRejected("code is empty")
-    try:
+    rejected: Translations = {
+        SyntaxError: _syntax_error,
+        (ValueError, RecursionError, MemoryError): into(ScriptRejected, "code cannot be compiled"),
+    }
+    with map_exceptions(rejected):
         tree = ast.parse(code, filename=SCRIPT_FILENAME, mode="exec")
         return compile(tree, SCRIPT_FILENAME, "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        line = (exc.text or "").rstrip("\n")
-        raise ScriptRejected(
-            f"syntax error in code at line {exc.lineno}: {exc.msg}",
-            {"line": exc.lineno, "offset": exc.offset, "text": line[:200]},
-        ) from None
-    except (ValueError, RecursionError, MemoryError) as exc:
-        raise ScriptRejected(f"code cannot be compiled: {exc}") from None
+
+
+def _syntax_error(exc: BaseException) -> ScriptRejected:
+    assert isinstance(exc, SyntaxError)
+    line = (exc.text or "").rstrip("\n")
+    return ScriptRejected(
+        f"syntax error in code at line {exc.lineno}: {exc.msg}",
+        {"line": exc.lineno, "offset": exc.offset, "text": line[:200]},
+    )
 
 
 def execute_script(code: str | CodeType, namespace: dict[str, Any]) -> None:

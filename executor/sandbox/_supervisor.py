@@ -25,7 +25,13 @@ from typing import IO, Any
 
 import torch
 
-from executor.errors import RoundhouseError, SandboxProtocolError, SandboxRunnerError, error_info
+from executor.errors import (
+    RoundhouseError,
+    SandboxProtocolError,
+    SandboxRunnerError,
+    error_info,
+    map_exceptions,
+)
 from executor.fileio import atomic_write_json
 from executor.rounds import RoundOutcome
 from executor.sandbox import _seccomp as seccomp
@@ -56,12 +62,14 @@ def read_result(task_dir: str, name: str, max_bytes: int) -> dict[str, torch.Ten
         raise SandboxProtocolError("runner named an invalid result file")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     dir_fd = out_fd = -1
+    unsafe = {
+        OSError: lambda exc: SandboxProtocolError(f"result file cannot be opened safely: {exc.strerror}")
+    }
     try:
-        dir_fd = os.open(task_dir, flags | os.O_DIRECTORY)
-        out_fd = os.open("out", flags | os.O_DIRECTORY, dir_fd=dir_fd)
-        fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=out_fd)
-    except OSError as exc:
-        raise SandboxProtocolError(f"result file cannot be opened safely: {exc.strerror}") from None
+        with map_exceptions(unsafe):
+            dir_fd = os.open(task_dir, flags | os.O_DIRECTORY)
+            out_fd = os.open("out", flags | os.O_DIRECTORY, dir_fd=dir_fd)
+            fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=out_fd)
     finally:
         for opened in (dir_fd,):
             if opened >= 0:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from executor import transfer
-from executor.errors import NO_SPACE_ERRNOS, BadArtifact, CacheTooSmall, InvalidRequest, Stopped, storage_full
+from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, Stopped, map_exceptions
 from executor.fileio import temp_path_for
 from executor.shards._decode import decoded_chunks, probe_decode, zstd_content_size
 from executor.shards._descriptor import ShardDescriptor, check_tenant
@@ -251,12 +251,8 @@ class ShardCache:
             source.seek(0)
             tmp = temp_path_for(path)
             try:
-                try:
+                with map_exceptions({}, where="the shard cache"):
                     written = self._decode_stream(source, tmp, reservation, packed_size, pinned, abort)
-                except OSError as exc:
-                    if exc.errno in NO_SPACE_ERRNOS:
-                        raise storage_full(exc, "the shard cache") from None
-                    raise
                 if decoded is not None and written != decoded:
                     raise BadArtifact(f"shard decoded to {written} bytes, its frame says {decoded}")
                 os.replace(tmp, path)

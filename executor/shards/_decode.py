@@ -14,22 +14,22 @@ from typing import IO, Any
 
 import torch
 import zstandard
+from safetensors.torch import load_file
 
-from executor.errors import BadArtifact, Stopped
+from executor.errors import BadArtifact, Stopped, Translations, into, map_exceptions
 
 # The decoder's output buffer. Small enough to stay in a core's L2 between the decoder
 # writing it and write() copying it out: with 4 MiB the decode ran at half the speed of
 # `zstd -d -T1` on a 512 MB shard (0.92 s vs 0.43 s), with 1 MiB at 96 % (bench/zstd.py).
 DECODE_CHUNK_BYTES = 1024 * 1024
 _ZIP_MAGIC = b"PK\x03\x04"
+NOT_ZSTD: Translations = {zstandard.ZstdError: into(BadArtifact, "shard is not valid zstd")}
 
 
 def zstd_content_size(source: IO[bytes]) -> int | None:
     """The decoded size the frame at the start of ``source`` records, None when it records none."""
-    try:
+    with map_exceptions(NOT_ZSTD):
         params = zstandard.get_frame_parameters(source.read(18))
-    except zstandard.ZstdError as exc:
-        raise BadArtifact(f"shard is not valid zstd: {exc}") from None
     return params.content_size if params.content_size != zstandard.CONTENTSIZE_UNKNOWN else None
 
 
@@ -38,9 +38,8 @@ def probe_decode(source: Any, probe_bytes: int = 64 * 1024) -> None:
     content size is noise, and must not turn into a cache reservation."""
     reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True, closefd=False)
     try:
-        reader.read(probe_bytes)
-    except zstandard.ZstdError as exc:
-        raise BadArtifact(f"shard is not valid zstd: {exc}") from None
+        with map_exceptions(NOT_ZSTD):
+            reader.read(probe_bytes)
     finally:
         reader.close()
         source.seek(0)
@@ -53,10 +52,8 @@ def decoded_chunks(source: Any, abort: threading.Event | None) -> Generator[memo
         while True:
             if abort is not None and abort.is_set():
                 raise Stopped("stopped while decoding a shard")
-            try:
+            with map_exceptions(NOT_ZSTD):
                 count = reader.readinto(view)
-            except zstandard.ZstdError as exc:
-                raise BadArtifact(f"shard is not valid zstd: {exc}") from None
             if not count:
                 return
             yield view[:count]
@@ -66,13 +63,11 @@ def load_shard_file(path: str) -> Any:
     """Decode one shard file: a ``torch.save`` object (weights_only, mmap when possible) or safetensors."""
     with open(path, "rb") as file:
         magic = file.read(8)
-    try:
+    with map_exceptions(
+        {Exception: into(BadArtifact, "shard is neither a weights-only torch file nor safetensors")}
+    ):
         if magic.startswith(_ZIP_MAGIC):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if magic[:1] == b"\x80":  # the legacy (pre-zip) torch.save format cannot be mapped
             return torch.load(path, map_location="cpu", weights_only=True)
-        from safetensors.torch import load_file
-
         return load_file(path)
-    except Exception as exc:
-        raise BadArtifact(f"shard is neither a weights-only torch file nor safetensors: {exc}") from None

@@ -11,7 +11,7 @@ import time
 # Module-qualified so that hash_file is looked up at call time: a test replaces it there
 # to prove that a followed download is not hashed a second time.
 import executor.transfer._local as _local
-from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, HashMismatch, storage_full
+from executor.errors import DownloadFailed, HashMismatch, StorageFull, describe, map_exceptions
 from executor.transfer._cancel import Cancel, thread_session, track_response, tracking
 from executor.transfer._config import FetchResult, Progress, TransferConfig
 from executor.transfer._http import (
@@ -23,7 +23,7 @@ from executor.transfer._http import (
 )
 from executor.transfer._partial import ProgressMeter, discard, partial_paths
 from executor.transfer._stream import download
-from executor.transfer._urls import describe, locate, redact_url, url_host
+from executor.transfer._urls import locate, redact_url, url_host
 
 
 def fetch(
@@ -48,7 +48,7 @@ def fetch(
     meter = ProgressMeter(progress)
     digest: str | None = None
     try:
-        with Cancel(abort, url) as cancel:
+        with Cancel(abort, url) as cancel, map_exceptions({}, where=os.path.dirname(os.path.abspath(dest))):
             if kind == "local":
                 resumed_bytes, connections = 0, 0
                 digest = _local.copy_local(location, dest, config, cancel, meter, hashed=sha256 is not None)
@@ -57,12 +57,10 @@ def fetch(
                     url, dest, config, cancel, meter, size, hashed=sha256 is not None
                 )
             total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
-    except OSError as exc:
-        if exc.errno not in NO_SPACE_ERRNOS:
-            raise
-        # A full disk: free what the attempt took (nothing half-written stays) and say where.
+    except StorageFull:
+        # Free what the attempt took: nothing half-written stays on a full disk.
         discard(*partial_paths(dest))
-        raise storage_full(exc, os.path.dirname(os.path.abspath(dest))) from None
+        raise
     meter.finish()
     return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked)
 
@@ -75,11 +73,12 @@ def remote_size(url: str, *, config: TransferConfig, abort: threading.Event | No
     """
     kind, location = locate(url)
     if kind == "local":
-        try:
+        safe_url = redact_url(location)
+        unknown = {
+            OSError: lambda exc: DownloadFailed(f"size of {safe_url}: {describe(exc)}", {"url": safe_url})
+        }
+        with map_exceptions(unknown):
             return os.path.getsize(location)
-        except OSError as exc:
-            safe_url = redact_url(location)
-            raise DownloadFailed(f"size of {safe_url}: {describe(exc)}", {"url": safe_url}) from None
     session = thread_session()
 
     def attempt(_: int) -> int | None:

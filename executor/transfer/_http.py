@@ -18,10 +18,10 @@ from typing import TypeVar
 import requests
 import urllib3
 
-from executor.errors import NO_SPACE_ERRNOS, DownloadFailed
+from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, describe
 from executor.transfer._cancel import Cancel
 from executor.transfer._config import TransferConfig
-from executor.transfer._urls import describe, redact_url, url_host
+from executor.transfer._urls import redact_url, url_host
 
 logger = logging.getLogger("executor.transfer")
 

@@ -13,12 +13,12 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from executor.errors import DownloadFailed, UploadFailed
+from executor.errors import DownloadFailed, UploadFailed, describe, map_exceptions
 from executor.transfer._body import pwrite_all
 from executor.transfer._cancel import Cancel
 from executor.transfer._config import TransferConfig
 from executor.transfer._partial import ProgressMeter, discard, partial_paths
-from executor.transfer._urls import describe, redact_url
+from executor.transfer._urls import redact_url
 
 
 class _Readable(Protocol):
@@ -63,40 +63,49 @@ def copy_local(
     partial, sidecar_path = partial_paths(dest)
     discard(sidecar_path)
     digest = hashlib.sha256() if hashed else None
-    try:
-        with open(source_path, "rb", buffering=0) as source:
-            meter.reset(0, os.fstat(source.fileno()).st_size)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                buffer = memoryview(bytearray(config.buffer_bytes))
-                _copy_stream(source, fd, buffer, cancel, meter.add, digest)
-            finally:
-                os.close(fd)
-    except OSError as exc:
-        raise DownloadFailed(
-            f"copy of {redact_url(source_path)} failed: {describe(exc)}",
-            {"url": redact_url(source_path), "host": "", "status": None, "attempts": 1},
-        ) from None
+    safe_url = redact_url(source_path)
+    failed = {
+        OSError: lambda exc: DownloadFailed(
+            f"copy of {safe_url} failed: {describe(exc)}",
+            {"url": safe_url, "host": "", "status": None, "attempts": 1},
+        )
+    }
+    # A full disk is the destination's, not the source's: StorageFull names the directory.
+    translated = map_exceptions(failed, where=os.path.dirname(os.path.abspath(partial)))
+    with translated, open(source_path, "rb", buffering=0) as source:
+        meter.reset(0, os.fstat(source.fileno()).st_size)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            buffer = memoryview(bytearray(config.buffer_bytes))
+            _copy_stream(source, fd, buffer, cancel, meter.add, digest)
+        finally:
+            os.close(fd)
     return digest.hexdigest() if digest is not None else None
 
 
 def upload_local(path: str, dest: str, config: TransferConfig, cancel: Cancel) -> int:
     directory = os.path.dirname(os.path.abspath(dest))
     tmp_path = None
+    failed = {
+        OSError: lambda exc: UploadFailed(
+            f"upload to {dest} failed: {describe(exc)}", {"url": redact_url(dest)}
+        )
+    }
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(dest)}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the result from the reader
-            with open(path, "rb", buffering=0) as source:
-                buffer = memoryview(bytearray(config.buffer_bytes))
-                sent_bytes = _copy_stream(source, fd, buffer, cancel, lambda _: None)
-        finally:
-            os.close(fd)
-        os.replace(tmp_path, dest)
-        return sent_bytes
-    except OSError as exc:
-        raise UploadFailed(f"upload to {dest} failed: {describe(exc)}", {"url": redact_url(dest)}) from None
+        with map_exceptions(failed):
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp_path = tempfile.mkstemp(
+                dir=directory, prefix=f".{os.path.basename(dest)}.", suffix=".tmp"
+            )
+            try:
+                os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the result from the reader
+                with open(path, "rb", buffering=0) as source:
+                    buffer = memoryview(bytearray(config.buffer_bytes))
+                    sent_bytes = _copy_stream(source, fd, buffer, cancel, lambda _: None)
+            finally:
+                os.close(fd)
+            os.replace(tmp_path, dest)
+            return sent_bytes
     finally:
         if tmp_path is not None:
             with contextlib.suppress(FileNotFoundError):

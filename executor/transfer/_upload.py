@@ -8,12 +8,12 @@ import os
 import threading
 from typing import IO
 
-from executor.errors import UploadFailed
+from executor.errors import UploadFailed, describe, map_exceptions
 from executor.transfer._cancel import SEND_BLOCK_BYTES, Cancel, thread_session, tracking
 from executor.transfer._config import TransferConfig
 from executor.transfer._http import check_status, run_attempts
 from executor.transfer._local import upload_local
-from executor.transfer._urls import describe, locate, redact_url
+from executor.transfer._urls import locate, redact_url
 
 
 def upload(path: str, url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int:
@@ -45,12 +45,12 @@ class _UploadBody:
 
 
 def _upload_http(path: str, url: str, config: TransferConfig, cancel: Cancel) -> int:
-    try:
+    safe_url = redact_url(url)
+    unreadable = {
+        OSError: lambda exc: UploadFailed(f"upload to {safe_url} failed: {describe(exc)}", {"url": safe_url})
+    }
+    with map_exceptions(unreadable):
         size_bytes = os.path.getsize(path)
-    except OSError as exc:
-        raise UploadFailed(
-            f"upload to {redact_url(url)} failed: {describe(exc)}", {"url": redact_url(url)}
-        ) from None
     session = thread_session()
 
     def attempt(_: int) -> None:

@@ -9,13 +9,11 @@ URL from a local file (``file://`` or a plain path).
 from __future__ import annotations
 
 import logging
-import re
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
-from executor.errors import InvalidRequest
-
-_QUERY_IN_TEXT = re.compile(r"\?[^\s'\"<>()]*")
+# Library messages are scrubbed by the error tree's one scrub (errors.py).
+from executor.errors import InvalidRequest, scrub
 
 
 def redact_url(url: str) -> str:
@@ -38,18 +36,6 @@ def redact_url(url: str) -> str:
 
 def url_host(url: str) -> str:
     return urlsplit(url).hostname or ""
-
-
-def scrub(text: str) -> str:
-    """Remove query strings from library messages (urllib3 puts the full request path in them)."""
-    return _QUERY_IN_TEXT.sub("?<redacted>", text)
-
-
-def describe(exc: BaseException) -> str:
-    text = scrub(str(exc))
-    if len(text) > 300:
-        text = text[:300] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def locate(url: str) -> tuple[Literal["http", "local"], str]:
