@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP) system-deps
 
 # The sandbox's primary mechanism (DESIGN §8). Installed from Debian when missing and
-# possible (root with apt-get); without it the sandbox tests are skipped and the worker
-# refuses tenant code unless ROUNDHOUSE_SANDBOX=off.
+# possible (root with apt-get); without it the sandbox tests are skipped (and fail in CI,
+# CI=true) and the worker refuses tenant code unless ROUNDHOUSE_SANDBOX=off.
 system-deps:
 	@command -v bwrap >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -26,11 +27,12 @@ from safetensors.torch import load_file
 from executor import placement, transfer
 from executor.delta import file_state_hash
 from executor.errors import CleanupFailed, ErrorInfo, InvalidRequest
-from executor.fileio import MIB, own_dir, tree_bytes
+from executor.fileio import MIB, empty_dir, own_dir
 from executor.modelfile import InstalledModel, ModelFiles
 from executor.results import ApplyOutcome, ExecutorState, LoadResult, RoundResult
 from executor.rounds import (
     InThreadRunner,
+    RoundBudget,
     RoundOutcome,
     RoundRunner,
     RoundSpec,
@@ -79,8 +81,8 @@ class Executor:
         emit_state: StateCallback | None = None,
     ) -> None:
         self.settings = settings or get_settings()
-        self._emit_stats = emit_stats
-        self._emit_log = emit_log
+        # Tenant code's events and logs go through the round's budget, counted here in the worker.
+        self._budget = RoundBudget.for_settings(self.settings, emit_stats, emit_log)
         self._emit_state = emit_state or (lambda _data: None)
         self._host_id = host_id or self.settings.host_id
         self._stage_first_shard = (
@@ -120,15 +122,15 @@ class Executor:
                 self._tmpdir,
                 self._models.model_dir,
                 host_id=self._host_id,
-                emit_log=self._emit_log,
-                emit_stats=self._emit_stats,
+                emit_log=self._budget.log,
+                emit_stats=self._budget.stats,
             )
         return InThreadRunner(
             self._stop_event,
             host_id=self._host_id,
             offload_dir=os.path.join(self._tmpdir, "model-offload"),
-            emit_stats=self._emit_stats,
-            emit_log=self._emit_log,
+            emit_stats=self._budget.stats,
+            emit_log=self._budget.log,
         )
 
     # ------------------------------------------------------------ properties
@@ -315,13 +317,14 @@ class Executor:
 
     def _play(self, spec: RoundSpec) -> None:
         started = time.monotonic()
+        self._budget.start_round()
         try:
             outcome = self._runner.run_round(spec, self._stop_event)
         except BaseException as exc:  # the runner itself failed (it could not start, say)
             logger.exception("round runner failed")
             outcome = RoundOutcome.failed(failure(exc), time.monotonic() - started)
         self.modified_state = outcome.trained
-        self._outcome = outcome
+        self._outcome = replace(outcome, report=self._budget.report(outcome.report))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until tenant code finishes (or ``timeout_s`` passes); True when it has."""
@@ -364,7 +367,10 @@ class Executor:
         )
         outcome = self._outcome or RoundOutcome.failed(ErrorInfo(InvalidRequest.code, "no round has run"))
         result = round_result(
-            outcome, round_num=self._round.round_num, ship=ship if self._round.training else None
+            outcome,
+            round_num=self._round.round_num,
+            ship=ship if self._round.training else None,
+            dropped=self._budget.dropped(),
         )
         # The stop was aimed at the round that just ended; the next sync must not inherit it.
         self._stop_event.clear()
@@ -402,8 +408,6 @@ class Executor:
         return ApplyOutcome(
             synced.via, synced.model.model_hash, time.monotonic() - started, synced.reason, synced.noop
         )
-
-    # ------------------------------------------------------------ model and data access
 
     def get_original_state(self) -> dict[str, torch.Tensor] | None:
         """The pre-round state from the model file (mmap-backed, loaded on demand)."""
@@ -457,9 +461,7 @@ class Executor:
         self._stop_event.clear()
         owner = tenant or (self._session.tenant if self._session else None)
         self._close_session()
-        wiped = tree_bytes(self._tmpdir)
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
-        os.makedirs(self._tmpdir, mode=0o700, exist_ok=True)
+        wiped = empty_dir(self._tmpdir)
         if owner and not self._cache_private:
             wiped += self._cache.remove_tenant(owner)
         self.original_state = self.modified_state = None
@@ -494,4 +496,5 @@ class Executor:
             "tenant": session.tenant if session else None,
             "num_shards": session.dataset.num_shards if session else 0,
             "cache": self._cache.stats().to_json(),
+            "sandbox": self._runner.describe(),
         }

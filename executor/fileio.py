@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,6 +77,14 @@ def tree_bytes(path: str) -> int:
             except OSError:
                 continue
     return total
+
+
+def empty_dir(path: str) -> int:
+    """Remove everything under ``path`` (kept, private); returns the bytes it held."""
+    held = tree_bytes(path)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return held
 
 
 def own_dir(base: str, fixed: str | None, *, prefix: str) -> str:

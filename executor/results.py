@@ -6,7 +6,8 @@ These are the JSON results of the task contract (DESIGN §3); ``tasks/`` returns
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -78,9 +79,11 @@ class RoundResult:
     error: ErrorInfo | None = None
     delta: DeltaInfo | None = None
     round_num: int = 0
+    # What the round's budget dropped (stats, log, report: how many), when it dropped anything.
+    dropped: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "status": self.status.value,
             "training_time": round(self.training_time, 6),
             "report": self.report,
@@ -88,6 +91,9 @@ class RoundResult:
             "delta": self.delta.to_json() if self.delta else None,
             "round": self.round_num,
         }
+        if self.dropped:
+            out["dropped"] = dict(self.dropped)
+        return out
 
 
 @dataclass(frozen=True)

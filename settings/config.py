@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import zlib
 from functools import lru_cache
 from typing import Literal
 
@@ -81,8 +82,12 @@ class Settings(BaseSettings):
 
     # User code and artifacts
     sandbox: SandboxMode = "auto"
-    sandbox_uid: int = 65534
-    sandbox_gid: int = 65534
+    # A uid (and gid) of its own for each worker's sandbox, so that limits counted per uid
+    # (RLIMIT_NPROC) and files a tenant leaves behind never cross to another GPU's tenant.
+    # Unset: sandbox_uid_base + the GPU index, or + 100 + a hash of the host id without a GPU.
+    sandbox_uid: int | None = None
+    sandbox_gid: int | None = None
+    sandbox_uid_base: int = 61000
     sandbox_max_procs: int = 4096
     sandbox_max_open_files: int = 4096
     sandbox_memory_mb: int | None = None
@@ -90,6 +95,13 @@ class Settings(BaseSettings):
     sandbox_disk_mb: int | None = None
     sandbox_stop_grace_s: float = 5.0
     sandbox_wall_time_s: float | None = None
+    # Where the sandbox's limits are enforced from outside: its own cgroup (v2, else v1 memory +
+    # pids + freezer), else its pid namespace; auto picks the strongest this host allows.
+    sandbox_confinement: Literal["auto", "cgroup2", "cgroup1", "pidns"] = "auto"
+    # What one round may send through Redis, counted in the worker (tenant code cannot lift it).
+    round_stats_max_events: int = 20_000
+    round_stats_max_mb: int = 16
+    round_log_max_mb: int = 4
     max_script_bytes: int = 1 << 20
     bundle_max_bytes: int = 64 << 30  # 64 GiB
     bundle_max_files: int = 10_000
@@ -117,6 +129,17 @@ class Settings(BaseSettings):
         if self.download_buffer_bytes < 64 * 1024:
             raise ValueError("download_buffer_bytes must be at least 64 KiB")
         return self
+
+    @property
+    def sandbox_ids(self) -> tuple[int, int]:
+        """The (uid, gid) this worker's sandbox runs as."""
+        if self.sandbox_uid is not None:
+            uid = self.sandbox_uid
+        elif self.gpu is not None:
+            uid = self.sandbox_uid_base + self.gpu
+        else:
+            uid = self.sandbox_uid_base + 100 + zlib.crc32(self.host_id.encode()) % 900
+        return uid, self.sandbox_gid if self.sandbox_gid is not None else uid
 
     @property
     def shard_cache_max_bytes(self) -> int:

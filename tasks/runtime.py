@@ -196,6 +196,7 @@ class ChildRuntime:
             "task_id": current.task_id if current else None,
             "queue": self.settings.queue,
             "cache": ex_status["cache"],
+            "sandbox": ex_status["sandbox"],
             "events": {"published": self.events.published, "dropped": self.events.dropped},
             "versions": versions(),
         }

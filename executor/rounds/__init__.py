@@ -12,6 +12,7 @@ Inside the package each module imports only those above it in this list:
 ``_namespace`` → ``_outcome`` → ``_guard`` → ``_inthread``.
 """
 
+from executor.rounds._budget import BudgetLimits, RoundBudget
 from executor.rounds._guard import Played, execute_script, play, validate_script
 from executor.rounds._inthread import InThreadRunner
 from executor.rounds._namespace import (
@@ -32,8 +33,10 @@ from executor.rounds._outcome import (
 
 __all__ = [
     "NAMESPACE_NAMES",
+    "BudgetLimits",
     "InThreadRunner",
     "Played",
+    "RoundBudget",
     "RoundOutcome",
     "RoundOutputs",
     "RoundRunner",

@@ -52,6 +52,9 @@ class InThreadRunner:
     def close(self) -> None:
         self._session = None
 
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "confinement": "none: tenant code runs in the worker (trusted)"}
+
     def interrupt(self) -> None:
         # Re-delivered until the round ends: tenant code may catch one StopExecution.
         self._shield.interrupt()

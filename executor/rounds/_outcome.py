@@ -104,6 +104,10 @@ class RoundRunner(Protocol):
         """The session is over: end whatever runs tenant code. Idempotent."""
         ...
 
+    def describe(self) -> dict[str, Any]:
+        """Where tenant code runs and what confines it, for ``status``."""
+        ...
+
 
 def ship_delta(
     model_path: str,
@@ -134,7 +138,11 @@ def ship_delta(
 
 
 def round_result(
-    outcome: RoundOutcome, *, round_num: int, ship: Callable[[], DeltaInfo] | None
+    outcome: RoundOutcome,
+    *,
+    round_num: int,
+    ship: Callable[[], DeltaInfo] | None,
+    dropped: Mapping[str, int] | None = None,
 ) -> RoundResult:
     """The result of a finished round; ``ship`` (training rounds) runs only when it completed."""
     info = outcome.error
@@ -151,4 +159,4 @@ def round_result(
             status, info = RoundStatus.FAILED, exc.info()
         except ValueError as exc:  # the trained state does not fit the model (a shape changed)
             status, info = RoundStatus.FAILED, UserCodeError(str(exc)).info()
-    return RoundResult(status, outcome.training_time, outcome.report, info, delta, round_num)
+    return RoundResult(status, outcome.training_time, outcome.report, info, delta, round_num, dropped or {})

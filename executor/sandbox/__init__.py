@@ -2,22 +2,28 @@
 
 - ``SandboxedRunner``: the :class:`~executor.rounds.RoundRunner` the Executor uses when tenant
   code is untrusted; one warm runner process per session;
-- launch (``_launch``: bwrap, the ``unshare`` fallback, which one ``auto`` picks —
-  ``resolve_mode``, ``bwrap_works``), the seccomp filter (``_seccomp``: ``build_filter``);
+- launch (``_launch``: bwrap, the ``unshare`` mode, which one ``auto`` picks — ``resolve_mode``,
+  ``bwrap_works``), the seccomp filter (``_seccomp``: ``build_filter``);
 - the protocol (``_protocol``: JSON lines of at most ``MAX_FRAME_BYTES``, ``RoundRequest``);
-- the supervisor (``_supervisor``, the worker's side: start, drive rounds, serve shards, read the
-  trained state by descriptor with ``read_result``), and the runner (``_runner``, the child's side,
-  run as ``python -m executor.sandbox``).
+- enforcement from outside, since the runner is untrusted for its whole life: the sandbox's
+  confinement (``_confinement``, ``_pidns``, ``_cgroup``: a cgroup with memory and process
+  limits, frozen between rounds, strays killed), the runner's process and its whole-life
+  frame reader (``_process``), the trained state read by descriptor (``_result``:
+  ``read_result``);
+- the supervisor (``_supervisor``, the worker's side: start, rounds, shards, watchdog), and the
+  runner (``_runner``, the child's side, run as ``python -m executor.sandbox``).
 
-Inside the package: ``_seccomp``, ``_launch`` and ``_protocol`` import no sibling; ``_supervisor``
-imports those three; ``_sandboxed`` imports ``_supervisor``; ``_runner`` imports ``_protocol`` only.
+Inside the package, bottom up: ``_seccomp``, ``_launch``, ``_protocol``, ``_result`` and
+``_confinement`` import no sibling; ``_pidns`` imports ``_confinement``; ``_cgroup`` imports both;
+``_process`` imports ``_protocol``; ``_supervisor`` imports all of these; ``_sandboxed`` imports
+``_supervisor``; ``_runner`` imports ``_protocol`` only.
 """
 
 from executor.sandbox._launch import bwrap_works, resolve_mode
 from executor.sandbox._protocol import MAX_FRAME_BYTES, RoundRequest, checked_error, read_frame
+from executor.sandbox._result import read_result
 from executor.sandbox._sandboxed import SandboxedRunner
 from executor.sandbox._seccomp import AARCH64, X86_64, build_filter
-from executor.sandbox._supervisor import read_result
 
 __all__ = [
     "AARCH64",

@@ -10,12 +10,15 @@ round at ``/ro`` — and one writable directory, ``/task``; a bounded tmpfs ``/t
 bwrap itself starts with an empty environment (a variable in bwrap's own environment
 would be readable at ``/proc/1/environ``); the runner's is set with ``--setenv``.
 
-``unshare`` (the fallback): new network, pid, ipc and uts namespaces, ``setpriv`` to the
-sandbox uid, no filesystem isolation beyond permissions. Usable only where the sandbox
-uid can read the Python installation.
+``unshare`` (only when the operator names it): new network, pid, ipc and uts namespaces,
+``setpriv`` to the sandbox uid — but no mount namespace (the host's ``/proc`` and files are
+visible, guarded by permissions alone) and no seccomp filter. It does not give bwrap's
+isolation, so ``auto`` never picks it: ``auto`` is bwrap or a refusal to run tenant code.
 
-Both run under ``prlimit`` (processes, data size, file size, open files). ``auto`` picks
-bwrap, else unshare, and refuses to run tenant code when neither can isolate the network.
+Both run under ``prlimit`` (processes, data size, file size, open files) and inside the
+sandbox's confinement (:mod:`executor.sandbox._cgroup`). Whichever mode is chosen, the
+worker first runs exactly the launch it will use, with a probe for a program
+(:data:`PROBE_PROGRAM`), and refuses clearly when that fails.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ INSIDE_RO = "/ro"
 INSIDE_MODEL = "/model"
 GPU_DEVICES = ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidia4", "nvidia5", "nvidia6", "nvidia7")
 GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset", "nvidia-caps")
+# What the launch runs: the runner; or, to probe the very same launch, an interpreter that
+# imports the engine's ground floor from the sandbox's view of the code (cheap: no torch).
+RUNNER_PROGRAM = ("-m", "executor.sandbox")
+PROBE_PROGRAM = ("-c", "import executor.errors")
 ETC_FILES = (
     "passwd",
     "group",
@@ -73,6 +80,7 @@ class SandboxConfig:
     wall_time_s: float | None = None
     disk_bytes: int | None = None  # the task dir's quota; None: derived from the model
     start_timeout_s: float = 180.0
+    confinement: str = "auto"  # auto | cgroup2 | cgroup1 | pidns (executor.sandbox._cgroup)
 
     @property
     def data_limit(self) -> int:
@@ -85,8 +93,8 @@ class SandboxConfig:
 def sandbox_config(settings: Settings) -> SandboxConfig:
     return SandboxConfig(
         mode=settings.sandbox,
-        uid=settings.sandbox_uid,
-        gid=settings.sandbox_gid,
+        uid=settings.sandbox_ids[0],
+        gid=settings.sandbox_ids[1],
         max_procs=settings.sandbox_max_procs,
         max_open_files=settings.sandbox_max_open_files,
         memory_bytes=settings.sandbox_memory_mb * MIB if settings.sandbox_memory_mb else None,
@@ -94,6 +102,7 @@ def sandbox_config(settings: Settings) -> SandboxConfig:
         stop_grace_s=settings.sandbox_stop_grace_s,
         wall_time_s=settings.sandbox_wall_time_s,
         disk_bytes=settings.sandbox_disk_mb * MIB if settings.sandbox_disk_mb else None,
+        confinement=settings.sandbox_confinement,
     )
 
 
@@ -158,34 +167,25 @@ def bwrap_works() -> bool:
 
 
 @functools.cache
-def unshare_works(uid: int) -> bool:
+def unshare_works() -> bool:
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
-    if not (unshare and setpriv and _quiet([unshare, "--net", "--pid", "--fork", "true"])):
-        return False
-    # Without a mount namespace the sandbox uid must be able to read Python and the packages.
-    probe = [
-        setpriv,
-        f"--reuid={uid}",
-        f"--regid={uid}",
-        "--clear-groups",
-        sys.executable,
-        "-c",
-        "import torch",
-    ]
-    return os.geteuid() == 0 and _quiet(probe)
+    return bool(
+        unshare and setpriv and os.geteuid() == 0 and _quiet([unshare, "--net", "--pid", "--fork", "true"])
+    )
 
 
 def resolve_mode(requested: str, uid: int) -> str:
-    """``bwrap`` or ``unshare``; ``SandboxUnavailable`` when the request cannot be met."""
+    """``bwrap`` (``auto`` or asked for) or ``unshare`` (asked for by name only: it isolates less);
+    ``SandboxUnavailable`` when the request cannot be met. The launch itself is probed after."""
     if requested in ("auto", "bwrap") and bwrap_works():
         return "bwrap"
-    if requested in ("auto", "unshare") and unshare_works(uid):
+    if requested == "unshare" and unshare_works():
         return "unshare"
     raise SandboxUnavailable(
-        f"sandbox {requested!r} is not available here: no mechanism can isolate tenant code from the "
-        "network. Install bubblewrap (apt-get install bubblewrap), or set ROUNDHOUSE_SANDBOX=off to "
+        f"sandbox {requested!r} is not available here: nothing can isolate tenant code as DESIGN §8 "
+        "requires. Install bubblewrap (apt-get install bubblewrap), or set ROUNDHOUSE_SANDBOX=off to "
         "run tenant code inside the worker (trusted code only).",
-        {"requested": requested},
+        {"requested": requested, "uid": uid},
     )
 
 
@@ -317,14 +317,14 @@ def bwrap_args(config: SandboxConfig, paths: Paths, env: dict[str, str], seccomp
     return args
 
 
-def unshare_argv(config: SandboxConfig, env: dict[str, str]) -> list[str]:
+def unshare_argv(config: SandboxConfig, env: dict[str, str], program: tuple[str, ...]) -> list[str]:
     unshare = shutil.which("unshare") or "unshare"
     env_args = [f"{key}={value}" for key, value in sorted(env.items())]
     return [
         unshare, "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
         *_setpriv(config),
         "/usr/bin/env", "-i", *env_args,
-        sys.executable, "-m", "executor.sandbox",
+        sys.executable, *program,
     ]  # fmt: skip
 
 
@@ -343,13 +343,14 @@ def command(
     seccomp_fd: int | None,
     args_fd: int | None,
     file_bytes: int,
+    program: tuple[str, ...] = RUNNER_PROGRAM,
 ) -> Launch:
     env = runner_environment(paths, cuda_visible)
     if mode != "bwrap":
-        return Launch([*_prlimit(config, file_bytes), *unshare_argv(config, env)], None)
+        return Launch([*_prlimit(config, file_bytes), *unshare_argv(config, env, program)], None)
     blob = b"".join(arg.encode() + b"\0" for arg in bwrap_args(config, paths, env, seccomp_fd))
     bwrap = shutil.which("bwrap") or "bwrap"
-    inner = [*_setpriv(config), python_inside(), "-m", "executor.sandbox"]
+    inner = [*_setpriv(config), python_inside(), *program]
     return Launch([*_prlimit(config, file_bytes), bwrap, "--args", str(args_fd), "--", *inner], blob)
 
 

@@ -58,6 +58,11 @@ def read_frame(stream: IO[bytes]) -> dict[str, Any] | None:
         if len(line) > MAX_FRAME_BYTES:
             raise SandboxProtocolError(f"frame exceeds {MAX_FRAME_BYTES} bytes")
         raise SandboxProtocolError("stream ended inside a frame")
+    return parse_frame(line)
+
+
+def parse_frame(line: bytes) -> dict[str, Any]:
+    """One complete frame (its newline included) as a message; malformed ones raise."""
     with map_exceptions({(ValueError, RecursionError): into(SandboxProtocolError, "frame is not JSON")}):
         message = json.loads(line)
     if not isinstance(message, dict):

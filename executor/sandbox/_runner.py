@@ -163,7 +163,14 @@ def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, sha
         except BaseException as exc:
             error, result_name = failure(exc), None
     _end_round(
-        channel, _own_pid_namespace(init), end.stopped, error, outputs.report, end.seconds, result_name
+        channel,
+        _own_pid_namespace(init),
+        request.round_id,
+        end.stopped,
+        error,
+        outputs.report,
+        end.seconds,
+        result_name,
     )
 
 
@@ -200,6 +207,7 @@ def _own_pid_namespace(init: dict[str, Any]) -> bool:
 def _end_round(
     channel: Channel,
     kill_strays: bool,
+    round_id: str,
     stopped: bool,
     error: ErrorInfo | None,
     report: dict[str, Any] | None,
@@ -216,6 +224,7 @@ def _end_round(
     placement.empty_device_cache()
     message = {
         "type": "complete",
+        "round": round_id,
         "stopped": stopped,
         "error": error.to_json() if error else None,
         "report": report,

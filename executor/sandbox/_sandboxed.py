@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 from executor.errors import InvalidRequest
 from executor.fileio import temp_path_for
 from executor.rounds import RoundOutcome, RoundSession, RoundSpec
+from executor.sandbox._cgroup import support
 from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
 from executor.sandbox._protocol import RoundRequest
-from executor.sandbox._supervisor import Supervisor, result_limit
+from executor.sandbox._result import result_limit
+from executor.sandbox._supervisor import Supervisor
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -79,7 +81,7 @@ class SandboxedRunner:
         config = sandbox_config(settings)
         mode = resolve_mode(requested, config.uid)
         os.chmod(work_dir, 0o711)  # the sandbox uid may pass through, not list or read
-        return cls(
+        runner = cls(
             mode,
             config,
             work_dir,
@@ -88,6 +90,20 @@ class SandboxedRunner:
             max_script_bytes=settings.max_script_bytes,
             emit_log=emit_log,
             emit_stats=emit_stats,
+        )
+        runner._supervisor_for_session().probe()  # the very launch rounds will use, or a refusal now
+        return runner
+
+    def _supervisor_for_session(self) -> Supervisor:
+        return Supervisor(
+            self.mode,
+            self.config,
+            self.paths,
+            host_id=self._host_id,
+            cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            emit_log=self._emit_log,
+            emit_stats=self._emit_stats,
+            serve_shard=self._serve_shard,
         )
 
     def open(self, session: RoundSession, *, warm: bool) -> None:
@@ -108,16 +124,7 @@ class SandboxedRunner:
             if self._supervisor is not None:
                 self._supervisor.close()
             shutil.rmtree(self.paths.task, ignore_errors=True)
-            supervisor = Supervisor(
-                self.mode,
-                self.config,
-                self.paths,
-                host_id=self._host_id,
-                cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                emit_log=self._emit_log,
-                emit_stats=self._emit_stats,
-                serve_shard=self._serve_shard,
-            )
+            supervisor = self._supervisor_for_session()
             limit = result_limit(os.path.getsize(session.model_path))
             if self.config.disk_bytes:
                 limit = min(limit, self.config.disk_bytes)  # no single file beyond the dir's quota
@@ -168,6 +175,17 @@ class SandboxedRunner:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(shards, name))
         return self.paths.inside(target)
+
+    def describe(self) -> dict[str, Any]:
+        supervisor = self._supervisor
+        return {
+            "mode": self.mode,
+            "uid": self.config.uid,
+            # What confines the running sandbox; before one runs, what this host would give it.
+            "confinement": supervisor.confinement
+            if supervisor is not None
+            else support(self.config.confinement),
+        }
 
     def interrupt(self) -> None:
         # The runner interrupts tenant code on each stop; the supervisor's watchdog kills the

@@ -115,7 +115,8 @@ def test_tenant_code_runs_sandboxed_without_the_workers_environment(worker, arti
     client.load_model("w1", server.url("model.safetensors"), descriptors, code).get(timeout=60)
     report = client.run_round("w1", steps=1, mode="inference").get(timeout=60)["report"]
     assert not [key for key in report["env"] if key.startswith("ROUNDHOUSE_")], report
-    assert report["uid"] == 65534 and report["pid"] != worker.child_pid()
+    # The worker's own sandbox uid (w1 has no GPU: the base plus a hash of its host id).
+    assert report["uid"] == Settings(host_id="w1").sandbox_ids[0] and report["pid"] != worker.child_pid()
     assert client.status("w1").get(timeout=30)["state"] == "loaded"
 
 

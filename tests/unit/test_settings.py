@@ -39,3 +39,13 @@ def test_task_names_are_the_contract() -> None:
     from tasks.names import TASK_NAMES
 
     assert set(TASK_NAMES) <= set(app.tasks)
+
+
+def test_each_worker_gets_a_sandbox_uid_of_its_own() -> None:
+    # RLIMIT_NPROC counts per uid: two GPUs' tenants sharing one uid could starve each other.
+    gpu0, gpu1 = Settings(host_id="box", gpu=0), Settings(host_id="box", gpu=1)
+    assert gpu0.sandbox_ids == (61000, 61000) and gpu1.sandbox_ids == (61001, 61001)
+    by_host = {Settings(host_id=f"cpu-{n}").sandbox_ids[0] for n in range(5)}
+    assert len(by_host) == 5 and all(61100 <= uid < 62000 for uid in by_host)
+    assert Settings(sandbox_uid=65534, sandbox_gid=65533).sandbox_ids == (65534, 65533)
+    assert Settings(gpu=3, sandbox_uid_base=200000).sandbox_ids[0] == 200003
