@@ -7,14 +7,15 @@ patch the object returned by :func:`get_settings`.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import zlib
 from functools import lru_cache
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 SandboxMode = Literal["auto", "bwrap", "unshare", "off"]
 
@@ -77,6 +78,19 @@ class Settings(BaseSettings):
     # this over its first 16 MiB (0: always split). 400 MB/s is far above what one connection
     # to an object store gets and far below one to a nearby server.
     parallel_below_bytes_s: int = 400_000_000
+    # The data plane's trust boundary (DESIGN §11): what a URL in a task may name.
+    # file:// only under these directories (none by default); http(s) to any address but the
+    # deny list (loopback, link-local, cloud metadata, this host's own addresses), which these
+    # hosts or networks ("10.0.0.0/8", "minio", "127.0.0.1") open again. Lists: JSON or commas.
+    file_roots: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    url_allow: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Proxies and .netrc from the environment are ignored; a proxy is used only when named here.
+    http_proxy: str | None = None
+    # Byte caps known before a transfer starts. A body of unknown length (no Content-Length) is
+    # capped by max_unknown_download_mb unless the task names the size.
+    max_model_mb: int = 64 << 10
+    max_shard_mb: int = 16 << 10
+    max_unknown_download_mb: int = 1024
     download_low_speed_bytes_s: int = 1024
     download_low_speed_time_s: float = 60.0
 
@@ -119,6 +133,17 @@ class Settings(BaseSettings):
     s3_region: str = "us-east-1"
     demo_bind: str = "127.0.0.1"
     demo_public_host: str | None = None
+
+    @field_validator("file_roots", "url_allow", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        # A JSON list, or the plain "a,b" operators write.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [item.strip() for item in text.split(",") if item.strip()]
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
