@@ -18,8 +18,10 @@ stable ``code`` (DESIGN §3). The tree::
     ├── SandboxRunnerError                sandbox_runner_error
     │   └── SandboxUnavailable            sandbox_runner_error  (nothing here can isolate tenant code)
     ├── SandboxProtocolError              sandbox_protocol_error
-    ├── CleanupFailed                     internal_error    (reset cannot prove the round ended)
+    ├── CleanupFailed                     internal_error    (reset cannot prove the round ended;
+    │                                                        also a RuntimeError, as the seed raised)
     └── Stopped                           stopped           (an explicit stop; never retried)
+        └── DownloadAborted               stopped           (the seed's name for a stopped transfer)
 
     StopExecution (BaseException)         raised inside user code on stop, so that a
                                           tenant's ``except Exception`` cannot swallow it
@@ -50,16 +52,23 @@ from typing import Any, ClassVar
 
 @dataclass(frozen=True)
 class ErrorInfo:
-    """The JSON shape of an error in a task result: ``{"code", "message", "details"?}``."""
+    """The JSON shape of an error in a task result: ``{"code", "message", "details"?, "cause"?}``.
+
+    ``cause`` (the underlying exception's text) stands at the top level where the seed put it:
+    its out-of-memory error did, and a seed caller reads it there.
+    """
 
     code: str
     message: str
     details: Mapping[str, Any] = field(default_factory=dict)
+    cause: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"code": self.code, "message": self.message}
         if self.details:
             out["details"] = dict(self.details)
+        if self.cause is not None:
+            out["cause"] = self.cause
         return out
 
 
@@ -68,26 +77,35 @@ class RoundhouseError(Exception):
 
     code: ClassVar[str] = "internal_error"
 
-    def __init__(self, message: str, details: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, message: str, details: Mapping[str, Any] | None = None, *, cause: str | None = None
+    ) -> None:
         clean = {k: v for k, v in (details or {}).items() if k != "code"}
         # args carry the code too: Celery's JSON result of a failed task is the exception's
         # type name and args, and a client without this module must still read the code.
         super().__init__(message, {"code": self.code, **clean})
         self.message = message
         self.details: dict[str, Any] = clean
+        self.cause = cause
 
     def __str__(self) -> str:
         return self.message
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Subclasses keep the (message, details) constructor, so one rule pickles all.
-        return (type(self), (self.message, self.details))
+        return (_rebuild, (type(self), self.message, self.details, self.cause))
 
     def info(self) -> ErrorInfo:
-        return ErrorInfo(self.code, self.message, self.details)
+        return ErrorInfo(self.code, self.message, self.details, self.cause)
 
     def to_json(self) -> dict[str, Any]:
         return self.info().to_json()
+
+
+def _rebuild(
+    kind: type[RoundhouseError], message: str, details: Mapping[str, Any], cause: str | None
+) -> RoundhouseError:
+    return kind(message, details, cause=cause)
 
 
 class InvalidRequest(RoundhouseError):
@@ -160,14 +178,22 @@ class SandboxProtocolError(RoundhouseError):
     code = "sandbox_protocol_error"
 
 
-class CleanupFailed(RoundhouseError):
-    """``reset``/``shutdown`` could not prove that the round's threads ended: restart the worker."""
+class CleanupFailed(RoundhouseError, RuntimeError):
+    """``reset``/``shutdown`` could not prove that the round's threads ended: restart the worker.
+
+    Also a ``RuntimeError``: the seed raised one, and a seed caller's ``except`` still catches it.
+    """
 
 
 class Stopped(RoundhouseError):
     """An explicit stop: transfers abort instead of retrying or falling back."""
 
     code = "stopped"
+
+
+class DownloadAborted(Stopped):
+    """A transfer ended by a stop (the seed's name): what the transfer layer raises, so that
+    both a seed caller's ``except DownloadAborted`` and ``except Stopped`` catch it."""
 
 
 class StopExecution(BaseException):

@@ -16,6 +16,7 @@ exercised on machines without a GPU.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -124,7 +125,8 @@ def _dispatch(
             "Model does not fit GPU and automatic module sharding failed. "
             "Use a standard torch/torchvision/Hugging Face module tree or "
             f"configure no_split_module_classes. Cause: {exc}",
-            {"model_bytes": model_bytes(model), "free_bytes": free, "cause": describe(exc)},
+            {"model_bytes": model_bytes(model), "free_bytes": free},
+            cause=describe(exc),
         )
 
     with map_exceptions({Exception: split_failed}):
@@ -193,6 +195,16 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
+_REQUESTED = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?(bytes|[KMGT]iB)")
+_UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def _requested_bytes(text: str) -> float | None:
+    """What the failed allocation asked for, as the allocator's message says (CUDA and CPU)."""
+    match = _REQUESTED.search(text)
+    return float(match.group(1)) * _UNITS[match.group(2)] if match else None
+
+
 def oom_error(exc: BaseException) -> GpuOutOfMemory:
     """The ``gpu_oom`` error for an allocator failure; the CUDA cache is emptied for the next try."""
     details: dict[str, Any] = {}
@@ -200,5 +212,9 @@ def oom_error(exc: BaseException) -> GpuOutOfMemory:
         details["allocated_mb"] = round(torch.cuda.memory_allocated() / MIB)
         details["reserved_mb"] = round(torch.cuda.memory_reserved() / MIB)
     empty_device_cache()
-    details["cause"] = str(exc)
-    return GpuOutOfMemory(GPU_OOM_MESSAGE, details)
+    if any(marker in str(exc) for marker in _CPU_OOM_MARKERS):
+        details["device"] = "cpu"  # the host allocator failed: the same remedy, a smaller batch
+    requested = _requested_bytes(str(exc))
+    if requested is not None:
+        details["requested_mb"] = round(requested / MIB)
+    return GpuOutOfMemory(GPU_OOM_MESSAGE, details, cause=str(exc))

@@ -84,6 +84,24 @@ def execute_script(code: str | CodeType, namespace: dict[str, Any]) -> None:
             raise UserCodeError(f"code called sys.exit({exc.code!r})", {"exit_code": str(exc.code)}) from None
 
 
+# What an error raised inside tenant code (its own, or a helper's it called) is reported as.
+# The seed reported everything but a CUDA OOM as user_code_error; a helper's own code is kept
+# where it tells the orchestrator something the tenant's code did not cause — memory, the
+# transfer, the data, a stop — and otherwise the error is the tenant code's, with the helper's
+# code in ``details["helper_code"]`` (docs/ARCHITECTURE.md, "Differences from the seed").
+KEPT_INSIDE_TENANT_CODE = frozenset(
+    {"gpu_oom", "download_failed", "bad_artifact", "stopped", "user_code_error"}
+)
+
+
+def tenant_failure(exc: BaseException) -> ErrorInfo:
+    """The error of a round whose tenant code raised ``exc``."""
+    info = failure(exc)
+    if info.code in KEPT_INSIDE_TENANT_CODE:
+        return info
+    return ErrorInfo(UserCodeError.code, info.message, {**info.details, "helper_code": info.code}, info.cause)
+
+
 @dataclass(frozen=True)
 class Played:
     """How tenant code ended: stopped, failed (``error``), or completed (``trained`` maybe)."""
@@ -109,6 +127,9 @@ def play(
     stopped, error, trained = False, None, None
     try:
         namespace = build()
+    except BaseException as exc:  # the worker's part failed: its own code stands
+        return Played(False, failure(exc), None, time.monotonic() - started)
+    try:
         shield.enter()
         try:
             execute_script(compiled, namespace)
@@ -117,7 +138,7 @@ def play(
     except (StopExecution, Stopped):
         stopped = True
     except BaseException as exc:
-        error = failure(exc)
+        error = tenant_failure(exc)
     seconds = time.monotonic() - started
     try:
         if training and not stopped and error is None:

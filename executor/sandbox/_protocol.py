@@ -77,12 +77,24 @@ def checked_error(value: Any) -> ErrorInfo | None:
     if not isinstance(value, dict) or value.get("code") not in ERROR_CODES:
         raise SandboxProtocolError("runner reported a malformed error")
     details = value.get("details")
+    # JSON scalars keep their type (a seed caller reads ``allocated_mb`` as a number); anything
+    # else becomes a bounded string.
     bounded = (
-        {str(k)[:128]: str(v)[:8192] for k, v in list(details.items())[:32]}
-        if isinstance(details, dict)
-        else {}
+        {str(k)[:128]: _scalar(v) for k, v in list(details.items())[:32]} if isinstance(details, dict) else {}
     )
-    return ErrorInfo(str(value["code"]), str(value.get("message", ""))[:4096], bounded)
+    cause = value.get("cause")
+    return ErrorInfo(
+        str(value["code"]),
+        str(value.get("message", ""))[:4096],
+        bounded,
+        str(cause)[:8192] if cause is not None else None,
+    )
+
+
+def _scalar(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return str(value)[:8192]
 
 
 @dataclass(frozen=True)

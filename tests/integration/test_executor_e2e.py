@@ -184,7 +184,10 @@ def test_bad_inputs_leave_model_file_and_cache_unchanged(env, tmp_path: Path) ->
     assert result.status is RoundStatus.FAILED and result.error.code == "bad_artifact"
     ex.load(server.url("model.safetensors"), descriptors, "get_shard(99)")
     result = ex.run_round(steps=1)
-    assert result.status is RoundStatus.FAILED and result.error.code == "invalid_request"
+    # Tenant code asked for a shard that is not there: its error, as the seed said
+    # (user_code_error), with the helper's own code kept beside it.
+    assert result.status is RoundStatus.FAILED and result.error.code == "user_code_error"
+    assert result.error.details["helper_code"] == "invalid_request"
     assert "out of range" in result.error.message
     assert model_file.read_bytes() == before
     assert cache_listing() == cache_before
@@ -205,6 +208,9 @@ def test_user_errors_are_reported_with_codes(env) -> None:
     ex.load(server.url("model.safetensors"), descriptors, "torch.empty(1 << 60, dtype=torch.uint8)")
     oom = ex.run_round(steps=1)
     assert oom.status is RoundStatus.FAILED and oom.error.code == "gpu_oom", oom.error
+    # The seed's shape (cause at the top level) and what the CPU allocator tells: device and size.
+    assert "can't allocate memory" in oom.to_json()["error"]["cause"]
+    assert oom.error.details["device"] == "cpu" and oom.error.details["requested_mb"] > 0, oom.error
     ex.shutdown()
 
 

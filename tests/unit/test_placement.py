@@ -147,7 +147,7 @@ def test_failed_split_is_a_clear_gpu_oom(tmp_path: Path) -> None:
         )
     assert info.value.code == "gpu_oom"
     assert info.value.details["free_bytes"] == 1
-    assert "NotADirectoryError" in info.value.details["cause"]
+    assert "NotADirectoryError" in info.value.cause and "cause" not in info.value.details
 
 
 def test_a_real_cpu_allocation_failure_is_an_oom() -> None:
@@ -158,8 +158,11 @@ def test_a_real_cpu_allocation_failure_is_an_oom() -> None:
     assert isinstance(error, GpuOutOfMemory)
     assert error.code == "gpu_oom"
     assert error.message == GPU_OOM_MESSAGE
-    assert "can't allocate memory" in error.details["cause"]
+    # The seed's shape: ``cause`` at the top level of the error, CUDA figures in ``details``.
+    assert "can't allocate memory" in error.cause and error.to_json()["cause"] == error.cause
     assert "allocated_mb" not in error.details  # CUDA details only where CUDA is
+    assert error.details["device"] == "cpu"  # the host allocator, not the GPU, ran out
+    assert error.details["requested_mb"] == round((1 << 60) / (1 << 20))  # what it asked for
     restored = pickle.loads(pickle.dumps(error))
     assert restored.to_json() == error.to_json()
 
