@@ -153,7 +153,12 @@ def main() -> int:
         save_file(mlp_state(), str(root / "model.safetensors"))
         raw = make_shards(root)
         redis_server = EmbeddedRedis(base / "redis").start()
-        worker = LocalWorker(HOST, redis_server.url, base / "worker", env={"ROUNDHOUSE_METRICS_PORT": "0"})
+        worker = LocalWorker(
+            HOST,
+            redis_server.url,
+            base / "worker",
+            env={"ROUNDHOUSE_METRICS_PORT": "0", "ROUNDHOUSE_URL_ALLOW": "127.0.0.1"},
+        )
         try:
             worker.start()
             with FaultServer(root) as server:

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -44,7 +45,13 @@ from executor.fileio import MIB
 from executor.transfer import FetchResult, TransferConfig, fetch
 from settings import Settings
 
-DEFAULTS = TransferConfig.from_settings(Settings())
+
+def transfer_config(**settings: Any) -> TransferConfig:
+    """Settings as given, with loopback (where nginx listens) opened in the URL policy."""
+    return TransferConfig.from_settings(Settings(url_allow=["127.0.0.1"], **settings))
+
+
+DEFAULTS = transfer_config()
 
 BLOCK = 64 * MIB
 
@@ -61,7 +68,7 @@ def progress(done, total):
         said = True
         print("half", flush=True)
         time.sleep(60)  # the parent kills this process here
-fetch(url, dest, config=TransferConfig.from_settings(Settings()), progress=progress)
+fetch(url, dest, config=TransferConfig.from_settings(Settings(url_allow=["127.0.0.1"])), progress=progress)
 """
 
 
@@ -102,8 +109,8 @@ def run(cmd: list[str]) -> None:
 def methods(
     tools: dict[str, str], source: Path, url: str, sha256: str, dest: Path
 ) -> dict[str, Callable[[], object]]:
-    one_stream = TransferConfig.from_settings(Settings(parallel_connections=1))
-    split = TransferConfig.from_settings(Settings(parallel_below_bytes_s=0))
+    one_stream = transfer_config(parallel_connections=1)
+    split = transfer_config(parallel_below_bytes_s=0)
     return {
         "cp": lambda: run(["cp", "--reflink=never", str(source), str(dest)]),
         "curl": lambda: run([tools["curl"], "-sS", "-f", "-o", str(dest), url]),
@@ -147,7 +154,7 @@ def timed(fn: Callable[[], object]) -> float:
 def resume_after_drop(server: Nginx, url: str, dest: Path, size: int, at_s: float) -> dict[str, float]:
     """Stop nginx ``at_s`` into a fetch (every connection dropped mid-body), restart it at once."""
     clean(dest)
-    config = TransferConfig.from_settings(Settings(download_backoff_s=0.1))
+    config = transfer_config(download_backoff_s=0.1)
     result: list[FetchResult] = []
     server.reset_log()
     thread = threading.Thread(target=lambda: result.append(fetch(url, str(dest), config=config)))

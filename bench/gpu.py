@@ -83,6 +83,7 @@ def main() -> int:
             cache_dir=str(base / "cache"),
             host_id="bench-gpu",
             sandbox=mode,
+            url_allow=["127.0.0.1"],  # the bench's artifact server is on loopback (DESIGN §11)
         )
         executor = Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=mode != "off")
         try:

@@ -32,6 +32,7 @@ def measure(sandboxed: bool, base: Path, url: str, shards: list, rounds: int) ->
         work_dir=str(base / ("sbx" if sandboxed else "thread")),
         cache_dir=str(base / "cache"),
         host_id="bench",
+        url_allow=["127.0.0.1"],  # the bench's artifact server is on loopback (DESIGN §11)
     )
     times: dict[str, list[float]] = {"load": []}
     executor = Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=sandboxed)

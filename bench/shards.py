@@ -83,6 +83,7 @@ def main() -> int:
                 work_dir=str(base / "work"),
                 cache_dir=str(base / "cache"),
                 host_id="bench",
+                url_allow=["127.0.0.1"],  # the bench's nginx is on loopback (DESIGN §11)
                 # Room for three shards, each counted packed + decoded while it is decoded:
                 # every round fetches every shard again.
                 shard_cache_max_mb=3 * (max(sizes) // (1 << 20) + args.mb + 1),
@@ -153,7 +154,9 @@ def main() -> int:
 def serial_fetch_s(base: Path, shard: dict[str, object]) -> float:
     """One shard's fetch and decode into a fresh cache, timed alone (the serial loop's wait)."""
     cache = ShardCache(
-        str(base / "serial-cache"), 1 << 34, transfer_config=TransferConfig.from_settings(Settings())
+        str(base / "serial-cache"),
+        1 << 34,
+        transfer_config=TransferConfig.from_settings(Settings(url_allow=["127.0.0.1"])),
     )
     descriptor = ShardDescriptor.parse(shard)
     started = time.perf_counter()

@@ -72,13 +72,11 @@ def main() -> int:
         packed = base / "shard.pt.zst"
         packed_size, decoded_size = make_shard(packed, args.mb)
         out = base / "cli.out"
-        cache = ShardCache(
-            str(base / "cache"),
-            4 * (decoded_size + packed_size),
-            transfer_config=TransferConfig.from_settings(Settings()),
-        )
+        # The shard is a local file: file:// under a root the bench names (DESIGN §11).
+        config = TransferConfig.from_settings(Settings(file_roots=[str(base)]))
+        cache = ShardCache(str(base / "cache"), 4 * (decoded_size + packed_size), transfer_config=config)
         descriptor = ShardDescriptor.parse(
-            {"url": str(packed), "compression": "zstd", "size_bytes": packed_size}
+            {"url": packed.as_uri(), "compression": "zstd", "size_bytes": packed_size}
         )
 
         def cli() -> Callable[[], None]:

@@ -93,13 +93,13 @@ class Executor:
         cache_mb = self.settings.shard_cache_max_mb if shard_cache_max_mb is None else shard_cache_max_mb
         # <= 0 keeps the seed's meaning: no shared cache and no prefetch; shards live in the work dir.
         self._cache_private = cache_mb <= 0
-        self._cache = ShardCache(
+        self._cache = ShardCache.for_settings(
+            self.settings,
             os.path.join(self._tmpdir, "private-shards")
             if self._cache_private
             else (cache_dir or self.settings.cache_dir),
             cache_mb * MIB if not self._cache_private else 1 << 62,
             transfer_config=self._transfer,
-            wait_timeout_s=self.settings.cache_wait_timeout_s,
         )
         self._stop_event = StopSignal()
         self._models = ModelFiles.for_settings(

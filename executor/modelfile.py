@@ -3,7 +3,9 @@
 Every way a model file arrives (``load_model``, the sync delta, the full-download
 fallback) goes through here, so the rule holds everywhere: the file at
 ``<work>/model.safetensors`` is always a complete model whose hash we know, and a
-bad download, a bad artifact or a hash mismatch leaves it as it was.
+bad download, a bad artifact or a hash mismatch leaves it as it was. Every download
+here has a byte cap known before it starts (DESIGN §11): a model (and the full-download
+fallback) ``max_model_bytes``, a sync delta what the model it applies to bounds it to.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from executor import artifacts, transfer
-from executor.delta import apply_sync_delta, file_state_hash
+from executor.delta import apply_sync_delta, file_state_hash, max_delta_bytes, zstd_bound
 from executor.errors import HashMismatch, Stopped, error_info
-from executor.fileio import TEMP_SUFFIX, remove_quietly
+from executor.fileio import MIB, TEMP_SUFFIX, remove_quietly
 from executor.results import ApplyVia
 from executor.transfer import Progress
 
@@ -80,6 +82,7 @@ class ModelFiles:
         abort: threading.Event,
         bundle_max_bytes: int,
         bundle_max_files: int,
+        max_model_bytes: int,
         progress: Callable[[str], Progress] | None = None,
     ) -> None:
         self.work_dir = work_dir
@@ -87,6 +90,7 @@ class ModelFiles:
         self._abort = abort
         self._bundle_max_bytes = bundle_max_bytes
         self._bundle_max_files = bundle_max_files
+        self._max_model_bytes = max_model_bytes
         self._progress = progress
 
     @classmethod
@@ -104,6 +108,7 @@ class ModelFiles:
             abort=abort,
             bundle_max_bytes=settings.bundle_max_bytes,
             bundle_max_files=settings.bundle_max_files,
+            max_model_bytes=settings.max_model_mb * MIB,
             progress=progress,
         )
 
@@ -147,13 +152,21 @@ class ModelFiles:
             shutil.rmtree(staging, ignore_errors=True)
 
     def fetch(self, model_url: str, what: str, dest_dir: str) -> artifacts.ModelArtifact:
-        """Download a model and turn it into the canonical file in ``dest_dir``."""
-        download = os.path.join(self.incoming, what + artifacts.model_suffix(model_url))
+        """Download a model and turn it into the canonical file in ``dest_dir``.
+
+        The body is capped at ``max_model_bytes`` and a safetensors header is checked from
+        its first bytes (``artifacts.model_head``), so an endless body or a header that
+        promises more than the cap is refused before the rest is written.
+        """
+        suffix = artifacts.model_suffix(model_url)
+        download = os.path.join(self.incoming, what + suffix)
         transfer.fetch(
             model_url,
             download,
             config=self._transfer,
             abort=self._abort,
+            max_bytes=self._max_model_bytes,
+            head=artifacts.model_head(suffix, self._max_model_bytes),
             progress=self._progress(what) if self._progress else None,
         )
         try:
@@ -276,7 +289,9 @@ class ModelFiles:
             return "local model is not the delta's base (hash mismatch)"
         delta_path = os.path.join(self.incoming, "sync-delta.zst")
         try:
-            transfer.fetch(delta_url, delta_path, config=self._transfer, abort=self._abort)
+            # The model bounds what its delta decodes to, and so what the zstd file can take.
+            cap = zstd_bound(max_delta_bytes(model_path))
+            transfer.fetch(delta_url, delta_path, config=self._transfer, abort=self._abort, max_bytes=cap)
             apply_sync_delta(
                 model_path,
                 delta_path,

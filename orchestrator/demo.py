@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import socket
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import zstandard
@@ -84,11 +86,32 @@ def build_shards(directory: Path) -> list[tuple[str, Path]]:
     return shards
 
 
+def artifact_hosts(args: argparse.Namespace, settings: Settings) -> list[str]:
+    """What the embedded workers must reach: the artifact store, on this machine or the S3
+    endpoint, which the URL policy refuses by default when it is on loopback or one of this
+    host's own addresses (DESIGN §11). Added to whatever the operator allows already."""
+    if settings.s3_endpoint:
+        store = urlsplit(settings.s3_endpoint).hostname or ""
+    elif args.bind in ("0.0.0.0", "::", ""):
+        store = settings.demo_public_host or socket.gethostname()  # as ArtifactServer names itself
+    else:
+        store = settings.demo_public_host or args.bind
+    hosts = [*settings.url_allow, "127.0.0.1", "::1", "localhost", store]
+    return list(dict.fromkeys(host for host in hosts if host))
+
+
 @contextmanager
-def local_cluster(base: Path, workers: int, console: Console, settings: Settings) -> Iterator[str]:
-    """The embedded Redis and ``workers`` CPU workers; yields the broker URL."""
+def local_cluster(
+    base: Path, workers: int, console: Console, settings: Settings, allow: list[str]
+) -> Iterator[str]:
+    """The embedded Redis and ``workers`` CPU workers allowed to fetch from ``allow``; yields
+    the broker URL."""
     redis = EmbeddedRedis(base / "redis").start()
-    env = {"ROUNDHOUSE_METRICS_PORT": "0", "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "1"}
+    env = {
+        "ROUNDHOUSE_METRICS_PORT": "0",
+        "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "1",
+        "ROUNDHOUSE_URL_ALLOW": ",".join(allow),
+    }
     if "sandbox" not in settings.model_fields_set:  # the operator chose no sandbox mode
         from executor.sandbox import bwrap_works
 
@@ -256,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print("using the broker and the workers at ROUNDHOUSE_BROKER_URL")
         else:
             console.print(f"starting the embedded Redis and {args.workers} workers …")
-            broker = stack.enter_context(local_cluster(base, args.workers, console, settings))
+            allow = artifact_hosts(args, settings)
+            broker = stack.enter_context(local_cluster(base, args.workers, console, settings, allow))
         history = train(args, settings, broker, base, console)
     return report(history, Path(args.out) / "loss.png", console, time.monotonic() - started)
 

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from executor.delta import make_sync_delta, read_delta, state_hash, write_delta
+from executor.delta import make_sync_delta, max_delta_bytes, read_delta, state_hash, write_delta
 from tasks.client import RoundClient
 
 logger = logging.getLogger(__name__)
@@ -233,7 +233,8 @@ class Orchestrator:
             local = os.path.join(self._scratch, f"delta-{host}.zst")
             try:
                 self.store.fetch(self._delta_name(round_num, host), local)
-                delta = read_delta(local)
+                # A worker's delta is untrusted: it decodes to no more than the model allows.
+                delta = read_delta(local, max_bytes=max_delta_bytes(self.global_state))
             except Exception as exc:
                 excluded[host] = f"delta unreadable: {type(exc).__name__}: {exc}"
                 continue

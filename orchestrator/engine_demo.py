@@ -86,7 +86,10 @@ def main() -> int:
         server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        settings = Settings(work_dir=f"{tmp}/work", cache_dir=f"{tmp}/cache", host_id="demo")
+        # The demo serves its artifacts on loopback: opened for it by name (DESIGN §11).
+        settings = Settings(
+            work_dir=f"{tmp}/work", cache_dir=f"{tmp}/cache", host_id="demo", url_allow=["127.0.0.1"]
+        )
         stats: list[dict[str, object]] = []
         ex = Executor(stats.append, lambda line: console.print(f"[dim]{line}[/dim]"), settings=settings)
         try:

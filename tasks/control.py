@@ -12,6 +12,14 @@
    child survives too, the forwarder clears billiard's ``_job_terminated`` flag after
    such a terminate, so that a later real crash of that child is still reported as a
    failure and not as REVOKED.
+   ``revoke(task_id, terminate=True)`` with Celery's default SIGTERM (Flower's Terminate
+   button, ``celery control terminate``) is turned into the same stop in the
+   MainProcess, before any signal is sent: the pool's ``terminate_job`` sees that the
+   pid's request was revoked, posts the note and sends SIGUSR2 instead. The child itself
+   cannot tell a revoke's SIGTERM from billiard's own: cold shutdown (SIGQUIT to the
+   worker) cancels its requests with SIGTERM through the same ``terminate_job``, and those
+   must die and be redelivered, not end as "stopped". Requests that were not revoked keep
+   Celery's SIGTERM, and so does a SIGTERM sent to the child from outside.
 3. :meth:`tasks.client.RoundClient.stop` — a key ``roundhouse:stop:<task_id>`` and a
    message on ``roundhouse:control:<host>``, watched by a thread in the child
    (:class:`StopWatcher`), so it works whatever the broker is doing.
@@ -104,22 +112,31 @@ class RevokeForwarder(bootsteps.StartStopStep):
             pid = request.worker_pid
             if not pid:
                 continue
-            self._forwarded.add(task_id)
-            self._mailbox.post(task_id)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, STOP_SIGNAL)
-            logger.info("revoked task %s is running in pid %d: stop forwarded", task_id, pid)
+            self._forward(task_id, pid)
         active = {request.id for request in worker_state.active_requests}
         self._forwarded &= active
 
-    @staticmethod
-    def _guard_terminate(worker: Any) -> None:
+    def _forward(self, task_id: str, pid: int) -> None:
+        self._forwarded.add(task_id)
+        self._mailbox.post(task_id)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STOP_SIGNAL)
+        logger.info("revoked task %s is running in pid %d: stop forwarded", task_id, pid)
+
+    def _guard_terminate(self, worker: Any) -> None:
         pool = worker.pool
         original = pool.terminate_job
 
         def terminate_job(pid: int, sig: Any = None) -> None:
+            signum = _signum(sig) if sig is not None else signal.SIGTERM
+            revoked = _revoked_request_in(pid) if signum == signal.SIGTERM else None
+            if revoked is not None:
+                # billiard's SIGTERM handler would end the child, and with it the loaded
+                # model, the warm sandbox runner and the CUDA context.
+                self._forward(revoked, pid)
+                return
             original(pid, sig)
-            if sig is not None and _signum(sig) == STOP_SIGNAL:
+            if signum == STOP_SIGNAL:
                 # The child handles SIGUSR2 and lives on: billiard must not keep treating it
                 # as "terminated", or its next real crash would be reported as REVOKED.
                 proc = pool._pool._process_by_pid(pid)[0]
@@ -128,6 +145,14 @@ class RevokeForwarder(bootsteps.StartStopStep):
                     proc._controlled_termination = False
 
         pool.terminate_job = terminate_job
+
+
+def _revoked_request_in(pid: int) -> str | None:
+    """The id of the revoked request that pool process ``pid`` runs, if any."""
+    for request in list(worker_state.active_requests):
+        if request.worker_pid == pid and request.id in worker_state.revoked:
+            return str(request.id)
+    return None
 
 
 def _signum(sig: Any) -> int:

@@ -1,7 +1,8 @@
 """Model artifacts: safetensors, ``torch.save`` files and Hugging Face zip bundles.
 
 ``prepare_model_artifact`` turns whatever was downloaded into the one canonical
-``model.safetensors`` (with a safely extracted bundle beside it); ``load_state_file``
+``model.safetensors`` (with a safely extracted bundle beside it), and ``model_head`` checks
+a download's first bytes before the rest is written; ``load_state_file``
 and ``materialize_model`` are what tenant code calls to get a module back, and
 ``checkpoint_state`` maps a module's state back to the file's key names.
 
@@ -17,6 +18,7 @@ from executor.artifacts._formats import (
     ModelArtifact,
     detect_format,
     load_state_file,
+    model_head,
     model_suffix,
     prepare_model_artifact,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "detect_format",
     "load_state_file",
     "materialize_model",
+    "model_head",
     "model_suffix",
     "prepare_model_artifact",
 ]

@@ -21,8 +21,9 @@ import os
 import pickle
 import shutil
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
@@ -41,6 +42,10 @@ HF_BUNDLE = "hf_bundle"
 _SUFFIXES = (".safetensors", ".zip", ".pth", ".bin", ".pt")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 LONG_CAUSE_CHARS = 2000
+_ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")
+# What a model download's head check sees: the whole safetensors header of all but the largest
+# checkpoints (a few hundred bytes a tensor), and no more than this is written before it runs.
+HEAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ def detect_format(path: str, hint: str = "") -> str:
         head = file.read(16)
     if not head:
         raise BadArtifact("model file is empty")
-    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+    if head[:4] in _ZIP_MAGICS:
         unreadable = into(BadArtifact, "model file looks like a zip but cannot be read")
         with map_exceptions({(zipfile.BadZipFile, OSError): unreadable}), zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -92,8 +97,7 @@ def detect_format(path: str, hint: str = "") -> str:
         and int.from_bytes(head[:8], "little") <= tensorfile.MAX_HEADER_BYTES
     ):
         return SAFETENSORS
-    # torch.save's legacy format is a bare pickle (PROTO opcode, protocol 2..5).
-    if head[0] == 0x80 and 2 <= head[1] <= 5:
+    if _is_pickle(head):
         return TORCH
     # Unrecognised content: let the reader the suffix names explain what is wrong.
     if hint == ".safetensors":
@@ -103,6 +107,44 @@ def detect_format(path: str, hint: str = "") -> str:
     raise BadArtifact(
         f"model file{f' ({hint})' if hint else ''} is not safetensors, a torch checkpoint or a zip"
     )
+
+
+def model_head(hint: str, max_bytes: int) -> tuple[int, Callable[[bytes], None]]:
+    """The ``head`` hook of a model download (``transfer.fetch``): its first bytes checked
+    by :func:`check_model_head` before the rest is written."""
+    return HEAD_BYTES, partial(check_model_head, hint=hint, max_bytes=max_bytes)
+
+
+def check_model_head(head: bytes, *, hint: str, max_bytes: int) -> None:
+    """Refuse a model from its first bytes: a safetensors header that promises more than
+    ``max_bytes``, or that is not safetensors-shaped when the file claims to be (its first
+    bytes, or a ``.safetensors`` URL with content that is no zip or pickle either).
+
+    A header longer than ``head`` is checked only for its length here; the download's
+    byte cap still bounds it, and the whole file is validated once it is on disk.
+    """
+    if head[:4] in _ZIP_MAGICS or _is_pickle(head):
+        return  # a torch checkpoint or a bundle: checked whole once downloaded
+    if head[8:9] != b"{":
+        if hint == ".safetensors":
+            raise BadArtifact("model file (.safetensors) does not start with a safetensors header")
+        return
+    length = tensorfile.header_length(head[:8])
+    promised = 8 + length
+    if 8 + length <= len(head):
+        header = tensorfile.parse_header(head[8 : 8 + length], None)
+        promised = header.data_offset + header.data_bytes
+    if promised > max_bytes:
+        raise BadArtifact(
+            f"model safetensors header promises {promised} bytes, more than the model cap "
+            f"of {max_bytes} bytes (ROUNDHOUSE_MAX_MODEL_MB)",
+            {"promised": promised, "cap": max_bytes},
+        )
+
+
+def _is_pickle(head: bytes) -> bool:
+    # torch.save's legacy format is a bare pickle (PROTO opcode, protocol 2..5).
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def prepare_model_artifact(

@@ -3,14 +3,18 @@
 ``state_hash`` / ``file_state_hash`` (the hash both sides agree on), ``make_sync_delta``
 (the orchestrator's builder), ``write_delta`` / ``read_delta`` (the wire format, both
 directions), ``apply_sync_delta`` (the worker's one-pass streaming apply) and
-``write_result_delta`` (a round's ``trained - original``).
+``write_result_delta`` (a round's ``trained - original``). Every decode has a cap known
+before it starts (DESIGN §11): ``max_delta_bytes`` of the model a delta belongs to, and
+``zstd_bound`` of that for the compressed file's download.
 
-Inside, data flows down: ``_apply`` (the streaming apply) → ``_wire`` (the zstd
-safetensors format, the seed's torch dicts, the trained delta) → ``_sync`` (the state
-hash, the apply rule, ``SyncDelta``).
+Inside, data flows down: ``_apply`` (the streaming apply) and ``_wire`` (the zstd
+safetensors format, the trained delta) → ``_decode`` (decoding within a cap: the bound,
+the capped zstd stream, the apply's delta source, the seed's torch dicts) → ``_sync``
+(the state hash, the apply rule, ``SyncDelta``).
 """
 
 from executor.delta._apply import apply_sync_delta
+from executor.delta._decode import max_delta_bytes, zstd_bound
 from executor.delta._sync import (
     SyncDelta,
     apply_sync_delta_state,
@@ -26,8 +30,10 @@ __all__ = [
     "apply_sync_delta_state",
     "file_state_hash",
     "make_sync_delta",
+    "max_delta_bytes",
     "read_delta",
     "state_hash",
     "write_delta",
     "write_result_delta",
+    "zstd_bound",
 ]

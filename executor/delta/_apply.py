@@ -2,8 +2,9 @@
 
 Per slice of each tensor: read the base, hash it, cast and add (``apply_rule``),
 hash the result, write it. Memory stays at a few slices whatever the model size
-(no second copy of the model, no decompress-to-disk-then-reload); the model file
-is replaced atomically, and only when both hashes hold.
+(no second copy of the model, no decompress-to-disk-then-reload); the delta decodes
+within the cap its model sets (:mod:`executor.delta._decode`); the model file is
+replaced atomically, and only when both hashes hold.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
-import zstandard
 
-from executor.delta import _sync
+from executor.delta._decode import DeltaSource, max_delta_bytes
 from executor.delta._sync import (
     HASH_PREFIX,
     apply_rule,
@@ -30,120 +30,9 @@ from executor.delta._sync import (
     is_floating,
     result_dtype,
 )
-from executor.delta._wire import load_torch_delta, looks_like_safetensors
-from executor.errors import BadArtifact, HashMismatch, Stopped, into, map_exceptions
+from executor.errors import HashMismatch, Stopped
 from executor.fileio import atomic_writer
-from executor.tensorfile import (
-    StreamWriter,
-    TensorSpec,
-    header_length,
-    parse_header,
-    read_header,
-    read_into,
-    tensor_bytes,
-)
-
-# ---------------------------------------------------------------- streaming delta source
-
-
-class DeltaSource:
-    """Tensors of a delta file, handed out slice by slice in sorted key order.
-
-    When the safetensors data lies in sorted key order (as :func:`write_delta`
-    writes it) the zstd stream is consumed sequentially and never held whole;
-    otherwise, or for the seed's torch format, it is decompressed into memory once.
-    """
-
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
-        try:
-            with map_exceptions({zstandard.ZstdError: into(BadArtifact, "delta is not valid zstd")}):
-                self._reader: zstandard.ZstdDecompressionReader | None = (
-                    zstandard.ZstdDecompressor().stream_reader(self._file, read_across_frames=True)
-                )
-                self._position = 0
-                self._memory: memoryview | None = None
-                self._tensors: dict[str, torch.Tensor] | None = None
-                self.specs = self._open()
-        except BaseException:
-            self.close()
-            raise
-
-    def _read_exact(self, count: int) -> bytes:
-        assert self._reader is not None
-        chunks = []
-        remaining = count
-        while remaining:
-            chunk = self._reader.read(remaining)
-            if not chunk:
-                raise BadArtifact("delta stream ended early (truncated)")
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        self._position += count
-        return b"".join(chunks)
-
-    def _open(self) -> dict[str, TensorSpec]:
-        prefix = self._read_exact(8)
-        if not looks_like_safetensors(prefix, None):
-            self._tensors = load_torch_delta(prefix + self._rest())
-            return {n: TensorSpec(n, t.dtype, tuple(t.shape), 0, 0) for n, t in self._tensors.items()}
-        header = parse_header(self._read_exact(header_length(prefix)), None)
-        ordered = sorted(header.specs.values(), key=lambda s: s.name)
-        self._base = header.data_offset
-        if [s.start for s in ordered] != sorted(s.start for s in ordered):
-            # Not in key order: a sequential pass is impossible, hold the data section once.
-            self._memory = memoryview(self._rest())
-        return header.specs
-
-    def _rest(self) -> bytes:
-        assert self._reader is not None
-        return self._reader.read()
-
-    def read_slice(self, spec: TensorSpec, offset: int, nbytes: int, out: memoryview) -> None:
-        """Fill ``out`` with bytes [offset, offset+nbytes) of ``spec``'s data; calls must go forward."""
-        if self._memory is not None:
-            start = spec.start + offset
-            if start + nbytes > len(self._memory):
-                raise BadArtifact("delta data is truncated")
-            out[:nbytes] = self._memory[start : start + nbytes]
-            return
-        target = self._base + spec.start + offset
-        if target < self._position:
-            raise BadArtifact("delta slices requested out of order")
-        if target > self._position:
-            self._skip(target - self._position)
-        got = 0
-        assert self._reader is not None
-        while got < nbytes:
-            n = self._reader.readinto(out[got:nbytes])
-            if not n:
-                raise BadArtifact("delta stream ended early (truncated)")
-            got += n
-        self._position += nbytes
-
-    def _skip(self, count: int) -> None:
-        while count:
-            step = min(count, _sync.SLICE_BYTES)
-            self._read_exact(step)
-            count -= step
-
-    def tensor(self, name: str) -> torch.Tensor | None:
-        """Whole tensors for the torch-format fallback (None when the stream is safetensors)."""
-        return None if self._tensors is None else self._tensors.get(name)
-
-    def close(self) -> None:
-        reader = getattr(self, "_reader", None)
-        if reader is not None:
-            reader.close()
-            self._reader = None
-        self._file.close()
-
-    def __enter__(self) -> DeltaSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+from executor.tensorfile import StreamWriter, TensorSpec, read_header, read_into, tensor_bytes
 
 # ---------------------------------------------------------------- streaming apply
 
@@ -267,8 +156,11 @@ def apply_sync_delta(
         raise HashMismatch(
             "local model is not the delta's base", {"expected": base_hash, "local": known_base_hash}
         )
-    with open(model_path, "rb") as base_file, DeltaSource(delta_path) as source:
+    with contextlib.ExitStack() as stack:
+        base_file = stack.enter_context(open(model_path, "rb"))
         header = read_header(base_file)
+        # The delta's cap is known before its first byte is decoded: the model bounds it.
+        source = stack.enter_context(DeltaSource(delta_path, max_delta_bytes(header)))
         check_delta_specs(
             {n: (s.dtype, s.shape) for n, s in header.specs.items()},
             {n: (s.dtype, s.shape) for n, s in source.specs.items()},

@@ -4,7 +4,8 @@ A delta is a safetensors file compressed with zstd as one frame that records its
 content size (:func:`write_delta`, :func:`read_delta`), keys in sorted order so that
 the streaming apply reads it in one sequential pass. On input, a zstd-compressed
 ``torch.save`` dict of tensors (the seed's format) is accepted too and loaded with
-``weights_only``. :func:`write_result_delta` writes a round's ``trained - original``
+``weights_only``. Reading decodes within a cap (:mod:`executor.delta._decode`), once,
+straight into the tensors. :func:`write_result_delta` writes a round's ``trained - original``
 in the same format, streaming the original from the model file.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,13 +21,15 @@ from typing import Any
 import torch
 import zstandard
 
+from executor.delta._decode import CappedStream, is_torch_prefix, load_torch_delta, read_stream_header
 from executor.delta._sync import HASH_PREFIX, hash_entry_header, is_floating
-from executor.errors import BadArtifact, into, map_exceptions
 from executor.fileio import atomic_writer
 from executor.tensorfile import StreamWriter, dtype_name, read_header, read_tensor, tensor_bytes
 
 ZSTD_LEVEL = 3
-_SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
+# read_delta's default cap: a 16-bit trained delta (the default dtype) of any model a worker accepts
+# by default (ROUNDHOUSE_MAX_MODEL_MB, 64 GiB of at least 2 bytes an element), with room for its header.
+DEFAULT_MAX_DELTA_BYTES = 65 << 30
 
 
 @dataclass(frozen=True)
@@ -71,39 +73,30 @@ def write_delta(delta: Mapping[str, torch.Tensor], path: str) -> DeltaFile:
     )
 
 
-def _decompressed(path: str) -> bytes:
-    not_zstd = map_exceptions({zstandard.ZstdError: into(BadArtifact, "delta is not valid zstd")})
-    with open(path, "rb") as file, not_zstd:
-        return zstandard.ZstdDecompressor().stream_reader(file, read_across_frames=True).read()
+def read_delta(path: str, *, max_bytes: int = DEFAULT_MAX_DELTA_BYTES) -> dict[str, torch.Tensor]:
+    """Load a delta file whole: zstd(safetensors), or the seed's zstd(torch.save dict).
 
-
-def read_delta(path: str) -> dict[str, torch.Tensor]:
-    """Load a delta file whole: zstd(safetensors), or the seed's zstd(torch.save dict)."""
-    data = _decompressed(path)
-    if looks_like_safetensors(data[:8], len(data)):
-        from safetensors.torch import load as load_safetensors
-
-        with map_exceptions({Exception: into(BadArtifact, "delta safetensors is corrupt")}):
-            return dict(load_safetensors(data))
-    return load_torch_delta(data)
-
-
-def looks_like_safetensors(prefix: bytes, total: int | None) -> bool:
-    if len(prefix) < 8:
-        return False
-    (length,) = struct.unpack("<Q", prefix[:8])
-    return 2 <= length <= _SAFETENSORS_MAX_HEADER and (total is None or 8 + length <= total)
-
-
-def load_torch_delta(data: bytes) -> dict[str, torch.Tensor]:
-    what = "delta is neither safetensors nor a weights-only torch dict"
-    with map_exceptions({Exception: into(BadArtifact, what)}):
-        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    if not isinstance(loaded, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
-    ):
-        raise BadArtifact("delta must be a dict of tensors")
-    return loaded
+    ``max_bytes`` caps what the file may decode to (``BadArtifact`` past it, nothing decoded
+    for a frame or header that promises more). Pass :func:`max_delta_bytes` of the model the
+    delta belongs to; the default is the largest model a worker loads by default.
+    The data is decoded once, straight into the tensors returned.
+    """
+    with open(path, "rb") as file:
+        stream = CappedStream(file, max_bytes)
+        try:
+            prefix = stream.read(8)
+            if is_torch_prefix(prefix):
+                return load_torch_delta(stream, prefix, os.path.dirname(os.path.abspath(path)))
+            header = read_stream_header(stream, prefix)
+            tensors: dict[str, torch.Tensor] = {}
+            for spec in sorted(header.specs.values(), key=lambda s: (s.start, s.end)):
+                stream.skip_to(header.data_offset + spec.start)
+                tensor = tensors[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
+                if spec.nbytes:
+                    stream.readinto(tensor_bytes(tensor))
+            return {name: tensors[name] for name in sorted(tensors)}
+        finally:
+            stream.close()
 
 
 # ---------------------------------------------------------------- the trained delta

@@ -1,8 +1,10 @@
 """What a ``dataset_shards`` item parses into, and the tenant names the cache is keyed by.
 
-A cache entry is keyed by ``(tenant, shard id)``; the id is the descriptor's ``id`` or
+``ShardDescriptor.key`` names a shard within a session: the descriptor's ``id`` or
 ``sha256``, else its URL without the query string (a re-presigned URL is the same
-shard). A tenant name becomes a directory of the cache, hence its strict pattern.
+shard), so new URLs for the same shards keep their pins. Which cache entry a caller is
+served is decided by ``_access``, which trusts less than a name. A tenant name becomes
+a directory of the cache, hence its strict pattern.
 """
 
 from __future__ import annotations

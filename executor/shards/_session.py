@@ -4,6 +4,11 @@ a one-ahead prefetch, and the single decoded shard held in memory.
 The GPU should never wait on I/O: whenever shard ``i`` is handed out, shard
 ``i + 1`` starts downloading in the background, so a round whose compute per
 shard is longer than a fetch finds every later shard already on disk.
+
+The session is also the "session" of the cache's access rule (``_access``): it checks
+each shard's URL once, the first time it asks for that shard, and remembers what the
+check showed for as long as it lives; a failed acquire forgets it, so the next one
+checks again.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from executor.errors import BadArtifact, RoundhouseError, ShardIndexError, Stopped
+from executor.shards._access import Origin
 from executor.shards._cache import Pin, ShardCache
 from executor.shards._decode import load_shard_file
 from executor.shards._descriptor import ShardDescriptor
@@ -46,6 +52,9 @@ class ShardSession:
         self._progress = progress
         self._lock = threading.Lock()
         self._pins: dict[int, Pin] = {}
+        # What each descriptor's check showed (None: content-addressed, served on its hash).
+        self._origins: dict[ShardDescriptor, Origin | None] = {}
+        self._checking: dict[ShardDescriptor, threading.Lock] = {}
         self._prefetch: DoneThread | None = None
         self._decoded_index: int | None = None
         self._decoded: Any = None
@@ -83,7 +92,7 @@ class ShardSession:
         for other, old in dropped:
             old.release()
             if not self._retain:
-                self.cache.invalidate(self.tenant, self.descriptors[other])
+                self.cache.invalidate(self.tenant, self.descriptors[other], old.origin)
         if prefetch and self._retain and self.num_shards > 1:
             self._start_prefetch(self.next_index(index))
         return pin.path
@@ -113,9 +122,20 @@ class ShardSession:
             pin = self._pins.get(index)
         if pin is not None and not pin.released:
             return pin
-        pin = self.cache.acquire(
-            self.tenant, self.descriptors[index], abort=self._abort, progress=self._progress
-        )
+        descriptor = self.descriptors[index]
+        try:
+            pin = self.cache.acquire(
+                self.tenant,
+                descriptor,
+                checked=self._checked(descriptor),
+                abort=self._abort,
+                progress=self._progress,
+            )
+        except BaseException:
+            # The object may have changed since the check: the next attempt checks again.
+            with self._lock:
+                self._origins.pop(descriptor, None)
+            raise
         with self._lock:
             old = self._pins.get(index)
             if old is not None and not old.released:
@@ -124,12 +144,38 @@ class ShardSession:
             self._pins[index] = pin
         return pin
 
+    def _checked(self, descriptor: ShardDescriptor) -> Origin | None:
+        """The descriptor's check, made once per session: the prefetch and the reader may
+        ask for one shard at the same moment, so the first to ask checks, the other waits."""
+        with self._lock:
+            if descriptor in self._origins:
+                return self._origins[descriptor]
+            gate = self._checking.setdefault(descriptor, threading.Lock())
+        while not gate.acquire(timeout=0.05):
+            if self._abort.is_set():
+                raise Stopped("stopped while another thread checks a shard's URL")
+        try:
+            with self._lock:
+                if descriptor in self._origins:
+                    return self._origins[descriptor]
+            origin = self.cache.check(self.tenant, descriptor, abort=self._abort)
+            with self._lock:
+                self._origins[descriptor] = origin
+            return origin
+        finally:
+            gate.release()
+
     def _forget(self, index: int) -> None:
+        descriptor = self.descriptors[index]
         with self._lock:
             pin = self._pins.pop(index, None)
+            origin = pin.origin if pin is not None else self._origins.get(descriptor)
+            known = pin is not None or descriptor in self._origins
+            self._origins.pop(descriptor, None)
         if pin is not None:
             pin.release()
-        self.cache.invalidate(self.tenant, self.descriptors[index])
+        if known:
+            self.cache.invalidate(self.tenant, descriptor, origin)
 
     def _start_prefetch(self, index: int) -> None:
         with self._lock:
@@ -159,8 +205,15 @@ class ShardSession:
             return [index for index, pin in self._pins.items() if not pin.released]
 
     def cached_path(self, index: int) -> str:
-        """Where shard ``index`` lives in the cache (whether or not it is there yet)."""
-        return self.cache.entry_path(self.tenant, self.descriptors[index])
+        """Where shard ``index`` lives in the cache (whether or not it is there yet), once this
+        session has pinned or checked it; ``ValueError`` before (its name depends on the check)."""
+        descriptor = self.descriptors[index]
+        with self._lock:
+            pin = self._pins.get(index)
+            if pin is not None and not pin.released:
+                return pin.path
+            origin = self._origins.get(descriptor)
+        return self.cache.entry_path(self.tenant, descriptor, origin)
 
     def replace_descriptors(self, descriptors: Sequence[ShardDescriptor]) -> None:
         """New presigned URLs for the same shards (they expire during long runs); pins stay
@@ -172,6 +225,11 @@ class ShardSession:
                 self._pins.clear()
             self._current = None
             self._decoded_index, self._decoded = None, None
+        with self._lock:
+            # New URLs are checked afresh (a URL that worked says nothing of its replacement).
+            kept = set(descriptors)
+            self._origins = {d: o for d, o in self._origins.items() if d in kept}
+            self._checking = {d: g for d, g in self._checking.items() if d in kept}
         self.descriptors = list(descriptors)
 
     def stage(self, index: int) -> int:

@@ -1,9 +1,13 @@
-"""Downloads and uploads by URL: HTTP(S) GET/PUT, ``file://`` and plain paths.
+"""Downloads and uploads by URL: HTTP(S) GET/PUT, and ``file://`` under the operator's roots.
 
 A download only ever appears under its final name complete and verified::
 
-    fetch(url, dest) ──▶ dest.partial (+ dest.partial.json: what it holds, how far)
-                     ──▶ size and sha256 checked ──▶ os.replace ──▶ dest
+    fetch(url, dest) ──▶ URL policy ──▶ dest.partial (+ dest.partial.json: what it holds, how far)
+                     ──▶ byte cap, head check, size and sha256 ──▶ os.replace ──▶ dest
+
+Every URL goes through one policy (DESIGN §11, :mod:`._policy`) before anything is
+fetched or written, and every connection, redirects included, is checked after DNS
+resolution against its deny list. Every download has a byte cap known before it starts.
 
 The partial names are stable so that a later process resumes what a crashed one
 left (callers guarantee one writer per ``dest``). Failed attempts are retried with
@@ -15,33 +19,41 @@ on a stalled server returns at once. URLs reach messages and logs only through
 
 Behind this surface, private modules, each importing only those listed before it::
 
-    _config    TransferConfig (built from Settings), FetchResult, Progress
-    _urls      redact_url, scrub, describe; locate: HTTP(S) or a local file
-    _cancel    sessions whose sockets an abort can shut down; Cancel
-    _http      one attempt's errors, the status check, the retry loop, headers
+    _urls      redact_url, scrub, url_host
+    _policy    the URL policy: schemes, file roots (opened without following links),
+               the address deny list and allow list, this host's own addresses
+    _config    TransferConfig (built from Settings, with the policy), FetchResult, Progress, Head
+    _cancel    the sockets an abort shuts down; Cancel
+    _session   HTTP sessions whose connections the policy checks at connect time
+    _http      send (redirects by hand, each hop checked), one attempt's errors, the
+               status check, the retry loop, headers
+    _limits    a download's byte cap and head check
     _partial   the partial file, its sidecar (resume), the progress meter
     _body      a response body copied into the file, the speed floor
     _follower  the sha256 of a file computed just behind its writer
     _ranged    parallel ranged GETs, one segment per connection
     _stream    one sequential GET, resumed; hands over to _ranged when slow
-    _local     file:// and path copies, local uploads, hashing a finished file
-    _fetch     fetch and remote_size: locate, download, check, move into place
-    _upload    upload: HTTP PUT or a local copy
+    _local     file:// copies and uploads, hashing a finished file
+    _fetch     fetch, remote_size and remote_info: the policy, download, check, move into place
+    _upload    upload: HTTP PUT or a file:// copy
 """
 
-from executor.transfer._config import FetchResult, Progress, TransferConfig
-from executor.transfer._fetch import fetch, remote_size
+from executor.transfer._config import FetchResult, Head, Progress, RemoteInfo, TransferConfig
+from executor.transfer._fetch import fetch, remote_info, remote_size
 from executor.transfer._partial import partial_paths
 from executor.transfer._upload import upload
 from executor.transfer._urls import redact_url
 
 __all__ = [
     "FetchResult",
+    "Head",
     "Progress",
+    "RemoteInfo",
     "TransferConfig",
     "fetch",
     "partial_paths",
     "redact_url",
+    "remote_info",
     "remote_size",
     "upload",
 ]

@@ -1,9 +1,10 @@
-"""Ending a transfer early: HTTP sessions whose sockets an abort can shut down, and
-:class:`Cancel`, which every loop of the transfer checks between buffers.
+"""Ending a transfer early: the sockets an abort shuts down, and :class:`Cancel`, which every
+loop of the transfer checks between buffers.
 
 A read blocked on a stalled server does not notice an event being set; shutting its socket
-down makes it return at once. So every connection this package opens registers its socket
-(per thread, with :func:`tracking`) in the :class:`SocketRegistry` of the transfer it serves.
+down makes it return at once. So every connection this package opens (:mod:`._session`)
+registers its socket (per thread, with :func:`tracking`) in the :class:`SocketRegistry` of
+the transfer it serves.
 """
 
 from __future__ import annotations
@@ -12,21 +13,12 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import requests
-from requests.adapters import HTTPAdapter
-from urllib3.connection import HTTPConnection, HTTPSConnection
-from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from executor.errors import Stopped
-from executor.fileio import MIB
+from executor.errors import DownloadAborted
 from executor.stopping import StopSignal, on_stop
 from executor.transfer._urls import redact_url
-
-# http.client sends file bodies in blocks of this size; its 16 KiB default costs a
-# syscall per 16 KiB on multi-GB uploads.
-SEND_BLOCK_BYTES = 1 * MIB
 
 
 class HaltedError(Exception):
@@ -83,7 +75,7 @@ def tracking(registry: SocketRegistry) -> Iterator[None]:
         _thread_state.registry = previous
 
 
-def _track(sock: socket.socket | None) -> None:
+def track(sock: socket.socket | None) -> None:
     registry: SocketRegistry | None = getattr(_thread_state, "registry", None)
     if registry is not None:
         registry.add(sock)
@@ -92,63 +84,7 @@ def _track(sock: socket.socket | None) -> None:
 def track_response(response: requests.Response) -> None:
     """Also register the response's own socket (covers proxied connections)."""
     connection = getattr(response.raw, "connection", None)
-    _track(getattr(connection, "sock", None))
-
-
-class _TrackedHTTPConnection(HTTPConnection):
-    # connect() covers a new connection, request() a reused one: from then on the
-    # socket can be shut down, while the body is sent and while the headers are awaited.
-    def connect(self) -> None:
-        super().connect()
-        _track(self.sock)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        _track(self.sock)
-        super().request(*args, **kwargs)
-
-
-class _TrackedHTTPSConnection(HTTPSConnection):
-    def connect(self) -> None:
-        super().connect()
-        _track(self.sock)
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        _track(self.sock)
-        super().request(*args, **kwargs)
-
-
-class _HTTPPool(HTTPConnectionPool):
-    ConnectionCls = _TrackedHTTPConnection
-
-
-class _HTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = _TrackedHTTPSConnection
-
-
-class _AbortableAdapter(HTTPAdapter):
-    def init_poolmanager(
-        self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
-    ) -> None:
-        pool_kwargs.setdefault("blocksize", SEND_BLOCK_BYTES)
-        super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
-        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
-
-
-def new_session() -> requests.Session:
-    session = requests.Session()
-    adapter = _AbortableAdapter()
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
-
-
-def thread_session() -> requests.Session:
-    """The calling thread's session: keep-alive connections survive across transfers."""
-    session: requests.Session | None = getattr(_thread_state, "session", None)
-    if session is None:
-        session = new_session()
-        _thread_state.session = session
-    return session
+    track(getattr(connection, "sock", None))
 
 
 class Cancel:
@@ -184,7 +120,10 @@ class Cancel:
 
     def check(self) -> None:
         if self.stopped():
-            raise Stopped(f"transfer of {redact_url(self.url)} stopped", {"url": redact_url(self.url)})
+            # The seed's name for it: a seed caller's ``except DownloadAborted`` keeps working.
+            raise DownloadAborted(
+                f"transfer of {redact_url(self.url)} stopped", {"url": redact_url(self.url)}
+            )
         if self.halt.is_set():
             raise HaltedError()
 

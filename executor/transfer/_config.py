@@ -1,9 +1,8 @@
-"""What a transfer is told and what it reports: :class:`TransferConfig`, :class:`FetchResult`
-and the :data:`Progress` callback type.
+"""What a transfer is told and what it reports: :class:`TransferConfig` (with the URL
+policy), :class:`FetchResult`, the :data:`Progress` callback type and the :data:`Head` check.
 
-The bottom of the package: it imports nothing from it. ``Settings`` is named for the type
-checker only: the sandboxed runner imports this package and must not import pydantic or
-the ``settings`` package at run time.
+``Settings`` is named for the type checker only: the sandboxed runner imports this package
+and must not import pydantic or the ``settings`` package at run time.
 """
 
 from __future__ import annotations
@@ -12,11 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from executor.fileio import MIB
+from executor.transfer._policy import UrlPolicy
+
 if TYPE_CHECKING:
     from settings import Settings
 
 # What a transfer reports as it goes: (bytes done, total bytes or None when unknown).
 Progress = Callable[[int, int | None], None]
+# fetch(head=(n_bytes, check)): check(the first n_bytes) before the rest is written; it
+# raises a RoundhouseError to refuse the download.
+Head = tuple[int, Callable[[bytes], None]]
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,10 @@ class TransferConfig:
     # A server that trickles below this rate for this long fails the attempt (slow loris).
     low_speed_bytes_s: int
     low_speed_time_s: float
+    # What URLs may name and which addresses a connection may reach (DESIGN §11).
+    policy: UrlPolicy
+    # The cap on a body of unknown length (no Content-Length) when the caller names no size.
+    max_unknown_bytes: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TransferConfig:
@@ -53,11 +62,22 @@ class TransferConfig:
             parallel_below_bytes_s=settings.parallel_below_bytes_s,
             low_speed_bytes_s=settings.download_low_speed_bytes_s,
             low_speed_time_s=settings.download_low_speed_time_s,
+            policy=UrlPolicy.build(settings.file_roots, settings.url_allow, settings.http_proxy),
+            max_unknown_bytes=settings.max_unknown_download_mb * MIB,
         )
 
     @property
     def timeout(self) -> tuple[float, float]:
         return (self.connect_timeout_s, self.read_timeout_s)
+
+
+@dataclass(frozen=True)
+class RemoteInfo:
+    """What a server says of a URL without sending it: size and validators, each None if unsaid."""
+
+    size: int | None
+    etag: str | None
+    last_modified: str | None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""``fetch`` and ``remote_size``: a download from locating the URL to the verified file
-moved into place (the picture is in the package docstring)."""
+"""``fetch`` and ``remote_size``: a download from the policy's verdict on the URL to the
+verified file moved into place (the picture is in the package docstring)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,24 @@ import time
 # Module-qualified so that hash_file is looked up at call time: a test replaces it there
 # to prove that a followed download is not hashed a second time.
 import executor.transfer._local as _local
-from executor.errors import DownloadFailed, HashMismatch, StorageFull, describe, map_exceptions
-from executor.transfer._cancel import Cancel, thread_session, track_response, tracking
-from executor.transfer._config import FetchResult, Progress, TransferConfig
+from executor.errors import DownloadFailed, HashMismatch, StorageFull, map_exceptions
+from executor.transfer._cancel import Cancel, track_response, tracking
+from executor.transfer._config import FetchResult, Head, Progress, RemoteInfo, TransferConfig
 from executor.transfer._http import (
+    Refused,
     announced_total,
     check_status,
     request_headers,
     run_attempts,
+    send,
     unsatisfied_total,
 )
+from executor.transfer._limits import Limits
 from executor.transfer._partial import ProgressMeter, discard, partial_paths
+from executor.transfer._policy import FilePath
+from executor.transfer._session import thread_session
 from executor.transfer._stream import download
-from executor.transfer._urls import locate, redact_url, url_host
+from executor.transfer._urls import redact_url, url_host
 
 
 def fetch(
@@ -34,61 +39,92 @@ def fetch(
     abort: threading.Event | None = None,
     sha256: str | None = None,
     size: int | None = None,
+    max_bytes: int | None = None,
+    head: Head | None = None,
     progress: Progress | None = None,
 ) -> FetchResult:
-    """Download ``url`` (http(s)://, file:// or a path) to ``dest``, verified, atomically.
+    """Download ``url`` (http(s)://, or file:// under a file root) to ``dest``, verified, atomically.
 
-    Raises ``DownloadFailed`` (partial kept for a later resume), ``HashMismatch``
-    (partial removed), ``Stopped`` when ``abort`` is set, ``InvalidRequest`` for an
-    unsupported URL scheme.
+    ``max_bytes`` caps the body: a larger announced size is refused before anything is
+    written, a body growing past it once it does; a body of unknown length is capped by
+    ``config.max_unknown_bytes`` when neither ``max_bytes`` nor ``size`` is given. ``head``
+    is ``(n_bytes, check)``: ``check`` gets the first ``n_bytes`` once they are on disk (all
+    of a shorter body at its end) and may raise a RoundhouseError to refuse the download.
+
+    Raises ``InvalidRequest`` for a URL the policy refuses (nothing is written),
+    ``DownloadFailed`` (partial kept for a later resume, removed when over the cap; also
+    for an address the policy refuses at connect time), the head check's error (partial
+    removed), ``HashMismatch`` (partial removed), ``Stopped`` when ``abort`` is set.
     """
     started = time.monotonic()
-    kind, location = locate(url)
+    target = config.policy.target(url)
+    partial, sidecar_path = partial_paths(dest)
+    unknown_cap = config.max_unknown_bytes if size is None else None
+    limits = Limits(url, partial, max_bytes=max_bytes, unknown_cap=unknown_cap, head=head)
+    try:
+        limits.announced(size, "the task names")
+    except Refused as refused:
+        raise refused.error from None
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     meter = ProgressMeter(progress)
     digest: str | None = None
     try:
         with Cancel(abort, url) as cancel, map_exceptions({}, where=os.path.dirname(os.path.abspath(dest))):
-            if kind == "local":
+            if isinstance(target, FilePath):
                 resumed_bytes, connections = 0, 0
-                digest = _local.copy_local(location, dest, config, cancel, meter, hashed=sha256 is not None)
+                hashed = sha256 is not None
+                digest = _local.copy_local(target, dest, config, cancel, meter, limits, hashed=hashed)
             else:
                 resumed_bytes, connections, digest = download(
-                    url, dest, config, cancel, meter, size, hashed=sha256 is not None
+                    url, dest, config, cancel, meter, size, limits, hashed=sha256 is not None
                 )
+            limits.finish()
             total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
     except StorageFull:
         # Free what the attempt took: nothing half-written stays on a full disk.
-        discard(*partial_paths(dest))
+        discard(partial, sidecar_path)
+        raise
+    except Refused as refused:
+        discard(partial, sidecar_path)
+        raise refused.error from None
+    except DownloadFailed:
+        # An attempt that wrote nothing (refused at connect, a 404) leaves nothing behind.
+        with contextlib.suppress(OSError):
+            if os.path.getsize(partial) == 0:
+                discard(partial, sidecar_path)
         raise
     meter.finish()
     return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked)
 
 
 def remote_size(url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int | None:
-    """The size of ``url`` in bytes, or None when the server does not say (chunked, no ranges).
+    """The size of ``url`` in bytes, or None when the server does not say (chunked, no ranges)."""
+    return remote_info(url, config=config, abort=abort).size
+
+
+def remote_info(url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> RemoteInfo:
+    """What ``url`` names now: its size and validators (ETag, Last-Modified), when the server says.
 
     Asks with ``GET`` + ``Range: bytes=0-0`` rather than HEAD: a presigned URL is
-    signed for one method, and GET is the one a download URL allows.
+    signed for one method, and GET is the one a download URL allows. Proves too that the
+    URL works for this caller (a refusal is ``DownloadFailed``).
     """
-    kind, location = locate(url)
-    if kind == "local":
-        safe_url = redact_url(location)
-        unknown = {
-            OSError: lambda exc: DownloadFailed(f"size of {safe_url}: {describe(exc)}", {"url": safe_url})
-        }
-        with map_exceptions(unknown):
-            return os.path.getsize(location)
+    target = config.policy.target(url)
+    if isinstance(target, FilePath):
+        return RemoteInfo(_local.local_size(target), None, None)
     session = thread_session()
 
-    def attempt(_: int) -> int | None:
-        response = session.get(url, headers=request_headers(0, 0), stream=True, timeout=config.timeout)
+    def attempt(_: int) -> RemoteInfo:
+        response = send(
+            session, "GET", url, policy=config.policy, timeout=config.timeout, headers=request_headers(0, 0)
+        )
         with contextlib.closing(response):
             track_response(response)
+            etag, modified = response.headers.get("ETag"), response.headers.get("Last-Modified")
             if response.status_code == 416:  # an empty file has no byte 0
-                return unsatisfied_total(response)
+                return RemoteInfo(unsatisfied_total(response), etag, modified)
             check_status(response)
-            return announced_total(response)
+            return RemoteInfo(announced_total(response), etag, modified)
 
     with Cancel(abort, url) as cancel, tracking(cancel.registry):
         return run_attempts(attempt, url=url, config=config, cancel=cancel, verb="size check")

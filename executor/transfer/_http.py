@@ -1,10 +1,13 @@
-"""One HTTP attempt and the loop around it: the errors an attempt ends with, the status
-check, the retry loop (:func:`run_attempts`), and the headers a transfer sends and reads.
+"""One HTTP request and the loop around it: :func:`send` (one request, its redirects
+followed by hand, each hop checked), the errors an attempt ends with, the status check,
+the retry loop (:func:`run_attempts`), and the headers a transfer sends and reads.
 
 An attempt raises :class:`TransientError` (or a network error) when a retry with a
 ``Range`` resume may fix it, :class:`FinalHTTPError` when the server said no for good,
 :class:`SourceChangedError` when the file on the server is not the one being resumed.
-:func:`run_attempts` turns the last of them into the caller's ``DownloadFailed``.
+:func:`run_attempts` turns the last of them into the caller's ``DownloadFailed``; an
+address the policy refuses (``AddressDenied``) becomes one at once, and :class:`Refused`
+(a byte cap, a failed head check) passes through for the caller to clean up.
 """
 
 from __future__ import annotations
@@ -12,15 +15,18 @@ from __future__ import annotations
 import http.client
 import logging
 import re
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import urljoin
 
 import requests
 import urllib3
 
-from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, describe
+from executor.errors import NO_SPACE_ERRNOS, DownloadFailed, InvalidRequest, RoundhouseError, describe
 from executor.transfer._cancel import Cancel
 from executor.transfer._config import TransferConfig
+from executor.transfer._policy import AddressDenied, UrlPolicy
+from executor.transfer._session import policy_in_force
 from executor.transfer._urls import redact_url, url_host
 
 logger = logging.getLogger("executor.transfer")
@@ -46,6 +52,15 @@ class FinalHTTPError(Exception):
 
 class SourceChangedError(Exception):
     """The resource on the server is not the one the partial file holds: start over."""
+
+
+class Refused(Exception):
+    """The download is refused for good (over a byte cap, a failed head check): never
+    retried; ``fetch`` removes what was written and raises ``error``."""
+
+    def __init__(self, error: RoundhouseError) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 RETRYABLE: tuple[type[BaseException], ...] = (
@@ -91,6 +106,8 @@ def run_attempts(
         cancel.check()
         try:
             return operation(attempt)
+        except AddressDenied as exc:
+            raise _failed(failure, verb, url, str(exc), None, attempt, rule=exc.rule) from None
         except FinalHTTPError as exc:
             cancel.check()
             raise _failed(failure, verb, url, str(exc), exc.status, attempt) from None
@@ -115,18 +132,90 @@ def run_attempts(
 
 
 def _failed(
-    failure: type[DownloadFailed], verb: str, url: str, reason: str, status: int | None, attempts: int
+    failure: type[DownloadFailed],
+    verb: str,
+    url: str,
+    reason: str,
+    status: int | None,
+    attempts: int,
+    rule: str | None = None,
 ) -> DownloadFailed:
     safe_url = redact_url(url)
     message = f"{verb} of {safe_url} failed after {attempts} attempt(s): {reason}"
-    details = {
+    details: dict[str, Any] = {
         "url": safe_url,
         "host": url_host(url),
         "status": status,
         "attempts": attempts,
         "reason": reason,
     }
+    if rule is not None:
+        details["rule"] = rule
     return failure(message, details)
+
+
+# -------------------------------------------------------------------- requests
+
+MAX_REDIRECTS = 5
+_REDIRECTS = (301, 302, 303, 307, 308)
+# Only these keep the method and the body by definition; a PUT answered with another is an error.
+_BODY_REDIRECTS = (307, 308)
+
+
+def send(
+    session: requests.Session,
+    method: str,
+    url: str,
+    *,
+    policy: UrlPolicy,
+    timeout: tuple[float, float],
+    headers: Mapping[str, str],
+    body: Callable[[], Any] | None = None,
+) -> requests.Response:
+    """One request (streamed), redirects followed by hand: at most :data:`MAX_REDIRECTS`, each
+    hop an http(s) URL and its connection checked by ``policy``, a loop refused.
+
+    ``body`` makes the request body afresh for each hop. Raises :class:`FinalHTTPError` for a
+    refused redirect, ``AddressDenied`` for a refused address.
+    """
+    seen = {url}
+    for hop in range(MAX_REDIRECTS + 1):
+        if policy.proxy:
+            policy.check_proxied(url)
+        try:
+            with policy_in_force(policy):
+                response = session.request(
+                    method,
+                    url,
+                    headers=dict(headers),
+                    data=body() if body is not None else None,
+                    stream=True,
+                    timeout=timeout,
+                    allow_redirects=False,
+                    proxies=policy.proxies,
+                )
+        except AddressDenied as exc:
+            if hop:
+                exc.url = redact_url(url)
+            raise
+        status, location = response.status_code, response.headers.get("Location")
+        if status not in _REDIRECTS or not location or (method != "GET" and status not in _BODY_REDIRECTS):
+            return response
+        response.close()
+        following = urljoin(url, location)
+        if following in seen:
+            raise FinalHTTPError(f"redirect loop: {redact_url(url)} redirects to {redact_url(following)}")
+        if hop == MAX_REDIRECTS:
+            raise FinalHTTPError(f"more than {MAX_REDIRECTS} redirects (the last to {redact_url(following)})")
+        try:
+            policy.target(following)
+        except InvalidRequest as exc:
+            raise FinalHTTPError(f"redirect refused: {exc}", status) from None
+        if not following.lower().startswith(("http://", "https://")):
+            raise FinalHTTPError(f"redirect to {redact_url(following)} refused: not http(s)", status)
+        seen.add(following)
+        url = following
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------- headers

@@ -17,7 +17,7 @@ import requests
 from executor.errors import DownloadFailed, Stopped
 from executor.fileio import MIB
 from executor.transfer._body import SpeedFloor, copy_body
-from executor.transfer._cancel import Cancel, HaltedError, new_session, track_response, tracking
+from executor.transfer._cancel import Cancel, HaltedError, track_response, tracking
 from executor.transfer._config import TransferConfig
 from executor.transfer._http import (
     SourceChangedError,
@@ -27,8 +27,11 @@ from executor.transfer._http import (
     content_range,
     request_headers,
     run_attempts,
+    send,
 )
+from executor.transfer._limits import Limits
 from executor.transfer._partial import ProgressMeter, Sidecar
+from executor.transfer._session import new_session
 from executor.transfer._urls import redact_url
 
 SEGMENT_ALIGN_BYTES = 64 * 1024
@@ -75,6 +78,7 @@ class RangedDownload:
         config: TransferConfig,
         abort: threading.Event | None,
         meter: ProgressMeter,
+        limits: Limits,
     ) -> None:
         if sidecar.segments is None or sidecar.total is None:
             raise ValueError("a ranged download needs a total size and planned segments")
@@ -86,6 +90,7 @@ class RangedDownload:
         self.config = config
         self.abort = abort
         self.meter = meter
+        self.limits = limits
         self._lock = threading.Lock()
         self._recorded = [seg[2] for seg in self.segments]
         self._first: requests.Response | None = None
@@ -101,6 +106,7 @@ class RangedDownload:
         self._first = first
         self._first_offset = first_offset
         self.meter.reset(sum(seg[2] for seg in self.segments), self.sidecar.total)
+        self.limits.mark(self._prefix())
         todo = [i for i, (start, end, done) in enumerate(self.segments) if start + done < end]
         try:
             # Segments first, then the full size: a crash in between leaves a short file
@@ -177,11 +183,13 @@ class RangedDownload:
         response = self._take_first(index)
         body_offset: int | None = self._first_offset if response is not None else None
         if response is None:
-            response = session.get(
+            response = send(
+                session,
+                "GET",
                 self.url,
+                policy=self.config.policy,
+                timeout=self.config.timeout,
                 headers=request_headers(pos, end - 1, self.sidecar.validator()),
-                stream=True,
-                timeout=(self.config.connect_timeout_s, self.config.read_timeout_s),
             )
         with contextlib.closing(response):
             track_response(response)
@@ -223,4 +231,15 @@ class RangedDownload:
             if segment[2] - self._recorded[index] >= RECORD_EVERY_BYTES:
                 self._recorded[index] = segment[2]
                 self.sidecar.save(self.sidecar_path)
+            if self.limits.head_pending:
+                self.limits.mark(self._prefix())
         self.meter.add(count)
+
+    def _prefix(self) -> int:
+        """How many bytes from the start of the file are written without a gap."""
+        upto = 0
+        for start, end, done in self.segments:
+            upto = start + done
+            if upto < end:
+                break
+        return upto

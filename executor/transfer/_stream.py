@@ -26,7 +26,7 @@ import requests
 from executor.errors import DownloadFailed
 from executor.fileio import MIB
 from executor.transfer._body import SpeedFloor, copy_body
-from executor.transfer._cancel import Cancel, thread_session, track_response, tracking
+from executor.transfer._cancel import Cancel, track_response, tracking
 from executor.transfer._config import TransferConfig
 from executor.transfer._follower import HashFollower
 from executor.transfer._http import (
@@ -38,10 +38,13 @@ from executor.transfer._http import (
     content_range,
     request_headers,
     run_attempts,
+    send,
     unsatisfied_total,
 )
+from executor.transfer._limits import Limits
 from executor.transfer._partial import ProgressMeter, Sidecar, discard, partial_paths, resumable
 from executor.transfer._ranged import RangedDownload, plan_segments
+from executor.transfer._session import thread_session
 from executor.transfer._urls import redact_url, url_host
 
 logger = logging.getLogger("executor.transfer")
@@ -57,6 +60,7 @@ def download(
     cancel: Cancel,
     meter: ProgressMeter,
     size: int | None,
+    limits: Limits,
     hashed: bool = False,
 ) -> tuple[int, int, str | None]:
     """Fill the partial file; returns ``(resumed_bytes, connections, sha256)``. With ``hashed``,
@@ -66,6 +70,8 @@ def download(
     for restarted in (False, True):
         sidecar = resumable(url, partial, sidecar_path, size)
         try:
+            if sidecar is not None:
+                limits.announced(sidecar.total, "the partial download's server announced")
             if sidecar is not None and sidecar.segments is not None:
                 resumed_bytes = sum(segment[2] for segment in sidecar.segments)
                 ranged = RangedDownload(
@@ -76,9 +82,10 @@ def download(
                     config=config,
                     abort=cancel.abort,
                     meter=meter,
+                    limits=limits,
                 )
                 return resumed_bytes, ranged.run(), None
-            return _Stream(url, dest, sidecar, config, cancel, meter, size, hashed).run()
+            return _Stream(url, dest, sidecar, config, cancel, meter, size, limits, hashed).run()
         except SourceChangedError:
             discard(partial, sidecar_path)
             if restarted:
@@ -112,9 +119,11 @@ class _Stream:
         cancel: Cancel,
         meter: ProgressMeter,
         size: int | None,
+        limits: Limits,
         hashed: bool = False,
     ) -> None:
         self.url = url
+        self.limits = limits
         self.hashed = hashed
         self.follower: HashFollower | None = None
         self.partial, self.sidecar_path = partial_paths(dest)
@@ -154,14 +163,20 @@ class _Stream:
             config=self.config,
             abort=self.cancel.abort,
             meter=self.meter,
+            limits=self.limits,
         )
         return 0, ranged.run(first=handover.response, first_offset=handover.consumed), None
 
     def _attempt(self, fd: int) -> _Handover | None:
         pos = os.fstat(fd).st_size if self.sidecar else 0
         validator = self.sidecar.validator() if self.sidecar else None
-        response = self.session.get(
-            self.url, headers=request_headers(pos, None, validator), stream=True, timeout=self.config.timeout
+        response = send(
+            self.session,
+            "GET",
+            self.url,
+            policy=self.config.policy,
+            timeout=self.config.timeout,
+            headers=request_headers(pos, None, validator),
         )
         handover = None
         try:
@@ -179,6 +194,7 @@ class _Stream:
             return None
         check_status(response)
         total = announced_total(response)
+        self.limits.announced(total)
         if response.status_code == 206:
             parsed = content_range(response)
             if parsed is None or parsed[0] != pos:
@@ -216,8 +232,9 @@ class _Stream:
             response,
             fd=fd,
             pos=pos,
-            # Never write past the size we were told: the shard cache reserved exactly that.
-            end=expected,
+            # Never write past the size we were told (the shard cache reserved exactly that),
+            # nor, without one, more than one byte past the cap.
+            end=self.limits.copy_end(expected),
             body_offset=pos,
             buffer=self.buffer,
             cancel=self.cancel,
@@ -226,6 +243,8 @@ class _Stream:
         )
         if expected is not None and pos == expected and total is None and response.raw.read1(1):
             pos += 1  # a body without Content-Length that runs past the declared size
+        if expected is None:
+            self.limits.written(pos)
         self._check_length(fd, pos, total)
         return None
 
@@ -233,11 +252,13 @@ class _Stream:
         """The first ``pos`` bytes of the partial file are final (from this source)."""
         if self.follower is not None:
             self.follower.mark(pos)
+        self.limits.mark(pos)
 
     def _written(self, count: int) -> None:
         self.meter.add(count)
         if self.follower is not None:
             self.follower.add(count)
+        self.limits.add(count)
 
     def _check_length(self, fd: int, pos: int, total: int | None) -> None:
         expected = total if total is not None else self.size
@@ -255,6 +276,7 @@ class _Stream:
     def _check_complete(self, response: requests.Response, pos: int) -> None:
         """A 416 to ``bytes=<pos>-``: fine only when the partial already holds the whole file."""
         total = unsatisfied_total(response)
+        self.limits.announced(total)
         if (
             self.sidecar is not None
             and total == pos
@@ -284,11 +306,12 @@ class _Stream:
     def _probe(
         self, fd: int, response: requests.Response, plan: list[list[int]], floor: SpeedFloor
     ) -> tuple[int, bool]:
-        """Copy and time the first bytes of segment 0: ``(bytes copied, split)``."""
+        """Copy and time the first bytes of segment 0: ``(bytes copied, split)``. A head to
+        check comes first in any case, so that it is checked before the segments start."""
         threshold = self.config.parallel_below_bytes_s
-        if threshold <= 0:
+        end = min(PROBE_BYTES if threshold > 0 else self.limits.head_bytes, plan[0][1])
+        if end <= 0:
             return 0, True
-        end = min(PROBE_BYTES, plan[0][1])
         self.meter.reset(0, plan[-1][1])
         started = time.monotonic()
         got = copy_body(
@@ -306,7 +329,7 @@ class _Stream:
             raise TransientError(f"body ended at byte {got} of {plan[-1][1]}")
         rate = got / max(time.monotonic() - started, 1e-9)
         logger.debug("%s: one stream at %.0f MB/s", redact_url(self.url), rate / 1e6)
-        return got, rate < threshold
+        return got, threshold <= 0 or rate < threshold
 
     def _accepts_ranges(self, response: requests.Response) -> bool:
         accept = response.headers.get("Accept-Ranges", "").strip().lower()
@@ -315,8 +338,13 @@ class _Stream:
         # No word either way: ask for one byte (on a second connection; the first stays open).
         try:
             with contextlib.closing(
-                self.session.get(
-                    self.url, headers=request_headers(0, 0), stream=True, timeout=self.config.timeout
+                send(
+                    self.session,
+                    "GET",
+                    self.url,
+                    policy=self.config.policy,
+                    timeout=self.config.timeout,
+                    headers=request_headers(0, 0),
                 )
             ) as probe:
                 return probe.status_code == 206

@@ -1,5 +1,5 @@
 """``upload``: a file sent by HTTP ``PUT`` in blocks, abortable between them, or copied
-atomically to a ``file://`` URL or a path (:mod:`._local`)."""
+atomically to a ``file://`` URL under a file root (:mod:`._local`)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,25 @@ import threading
 from typing import IO
 
 from executor.errors import UploadFailed, describe, map_exceptions
-from executor.transfer._cancel import SEND_BLOCK_BYTES, Cancel, thread_session, tracking
+from executor.transfer._cancel import Cancel, tracking
 from executor.transfer._config import TransferConfig
-from executor.transfer._http import check_status, run_attempts
+from executor.transfer._http import check_status, run_attempts, send
 from executor.transfer._local import upload_local
-from executor.transfer._urls import locate, redact_url
+from executor.transfer._policy import FilePath
+from executor.transfer._session import SEND_BLOCK_BYTES, thread_session
+from executor.transfer._urls import redact_url
 
 
 def upload(path: str, url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int:
-    """PUT the file at ``path`` to ``url``, or copy it atomically to a file:// URL or path.
+    """PUT the file at ``path`` to ``url``, or copy it atomically to a file:// URL under a root.
 
-    Returns the bytes sent; raises ``UploadFailed`` when retries are spent, ``Stopped``.
+    Returns the bytes sent; raises ``InvalidRequest`` for a URL the policy refuses (nothing
+    is written), ``UploadFailed`` when retries are spent or the address is refused, ``Stopped``.
     """
-    kind, location = locate(url)
+    target = config.policy.target(url)
     with Cancel(abort, url) as cancel:
-        if kind == "local":
-            return upload_local(path, location, config, cancel)
+        if isinstance(target, FilePath):
+            return upload_local(path, target, config, cancel)
         return _upload_http(path, url, config, cancel)
 
 
@@ -54,12 +57,19 @@ def _upload_http(path: str, url: str, config: TransferConfig, cancel: Cancel) ->
     session = thread_session()
 
     def attempt(_: int) -> None:
-        with open(path, "rb") as source:
-            response = session.put(
+        with contextlib.ExitStack() as sources:
+
+            def body() -> _UploadBody:  # afresh for each redirect hop
+                return _UploadBody(sources.enter_context(open(path, "rb")), size_bytes, cancel)
+
+            response = send(
+                session,
+                "PUT",
                 url,
-                data=_UploadBody(source, size_bytes, cancel),
-                headers={"Content-Type": "application/octet-stream"},
+                policy=config.policy,
                 timeout=config.timeout,
+                headers={"Content-Type": "application/octet-stream"},
+                body=body,
             )
         with contextlib.closing(response):
             check_status(response, body=False)

@@ -1,19 +1,18 @@
-"""URLs as the transfer layer shows and dispatches them.
+"""URLs as the transfer layer shows them.
 
 Presigned query strings are credentials, so a URL reaches messages and logs only through
 :func:`redact_url`, library messages only through :func:`scrub` (also applied, by a log
-filter installed on import, to urllib3's DEBUG lines). :func:`locate` tells an HTTP(S)
-URL from a local file (``file://`` or a plain path).
+filter installed on import, to urllib3's DEBUG lines). What a URL may name is the
+policy's business (:mod:`._policy`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 # Library messages are scrubbed by the error tree's one scrub (errors.py).
-from executor.errors import InvalidRequest, scrub
+from executor.errors import scrub
 
 
 def redact_url(url: str) -> str:
@@ -36,20 +35,6 @@ def redact_url(url: str) -> str:
 
 def url_host(url: str) -> str:
     return urlsplit(url).hostname or ""
-
-
-def locate(url: str) -> tuple[Literal["http", "local"], str]:
-    """``("http", url)`` or ``("local", path)``; ``InvalidRequest`` for any other scheme."""
-    parts = urlsplit(url)
-    if parts.scheme in ("http", "https"):
-        return "http", url
-    if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise InvalidRequest(f"file URL with a remote host: {redact_url(url)}")
-        return "local", unquote(parts.path)
-    if "://" in url:
-        raise InvalidRequest(f"unsupported URL scheme {parts.scheme!r}: {redact_url(url)}")
-    return "local", url
 
 
 class _RedactQueries(logging.Filter):

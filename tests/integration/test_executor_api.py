@@ -88,7 +88,7 @@ def test_cache_disabled_keeps_only_the_current_shard_in_the_work_dir(env, tmp_pa
     assert not (tmp_path / "cache" / "tenants").exists() or not list(
         (tmp_path / "cache" / "tenants").rglob("*.bin")
     )
-    assert server.count("shard1.pt.zst") == 1
+    assert server.bodies("shard1.pt.zst") == 1
     ex.shutdown()
 
 
@@ -96,7 +96,7 @@ def test_stage_first_shard_off_and_initial_index(env) -> None:
     server, _root, settings, descriptors = env
     ex = Executor(lambda _s: None, lambda _l: None, stage_first_shard=False, settings=settings)
     loaded = ex.load(server.url("model.safetensors"), descriptors, "pass")
-    assert loaded.staged_shard is None and all(server.count(f"shard{i}.pt.zst") == 0 for i in range(3))
+    assert loaded.staged_shard is None and all(server.bodies(f"shard{i}.pt.zst") == 0 for i in range(3))
     ex.shutdown()
     ex = Executor(lambda _s: None, lambda _l: None, settings=settings)
     assert (

@@ -77,8 +77,11 @@ def test_rounds_and_bit_exact_sync(env, model_name: str) -> None:
     assert second.delta is not None and second.delta.url and "sig" not in second.delta.url
     assert state_hash(read_delta(str(root / "uploads" / "r1.zst"))) == second.delta.hash
     assert second.report["final_loss"] < first.report["final_loss"] * 1.5
-    # The shards were fetched once each, across rounds (round 1 reused what round 0 cached).
-    assert all(server.count(f"shard{i}.pt.zst") == 1 for i in range(3))
+    # The shards were fetched once each, across rounds (round 1 reused what round 0 cached);
+    # the session showed each shard's URL once (a one-byte ranged GET: DESIGN §11, tenant data).
+    for i in range(3):
+        assert server.bodies(f"shard{i}.pt.zst") == 1
+        assert server.count(f"shard{i}.pt.zst") == 2, server.requests
     ex.shutdown()
 
 
@@ -274,7 +277,7 @@ def test_stop_aborts_a_blocked_shard_download(env) -> None:
     ex.session.dataset.wait_prefetch()
     ex.cache.remove_tenant("default")  # shard 1 was prefetched; make shard 2 a real download
     ex.session.dataset.close()
-    server.add_fault("shard2.pt.zst", "stall", after_bytes=10)
+    server.add_fault("shard2.pt.zst", "stall", after_bytes=10, bodies_only=True)  # not the URL check
     try:
         ex.run(steps=1)
         assert server.wait_for_stalls(1, timeout_s=20)

@@ -90,7 +90,8 @@ def world(tmp_path_factory: pytest.TempPathFactory):
 
 
 def gets(server: FaultServer, name: str) -> int:
-    return sum(1 for r in server.requests if r.path == name and r.method == "GET")
+    """Downloads of ``name``: not the one-byte GET that shows a cached shard's URL still works."""
+    return server.bodies(name)
 
 
 def kill_child(worker: WorkerProcess, pid: int | None = None) -> int:
@@ -235,7 +236,7 @@ def test_whole_worker_killed_and_restarted_reuses_its_cache_and_resumes(world) -
         counts = {
             name: gets(server, name) for name in ("model.safetensors", "shard0.pt.zst", "shard1.pt.zst")
         }
-        server.add_fault(stall_name, "stall", after_bytes=20_000)
+        server.add_fault(stall_name, "stall", after_bytes=20_000, bodies_only=True)
         stalls = server.stalls_entered
         client.run_round("f2", steps=1, round_num=9)
         assert server.wait_for_stalls(stalls + 1, timeout_s=60)

@@ -88,7 +88,8 @@ def send(app: Celery, host: str, name: str, **kwargs: object):  # type: ignore[n
 
 
 def count_gets(server: FaultServer, name: str) -> int:
-    return sum(1 for r in server.requests if r.path == name and r.method == "GET")
+    """Downloads of ``name``: not the one-byte GET that shows a cached shard's URL still works."""
+    return server.bodies(name)
 
 
 def stall_shard(root: Path, server: FaultServer) -> dict:
@@ -98,7 +99,7 @@ def stall_shard(root: Path, server: FaultServer) -> dict:
     torch.save({"x": torch.zeros(4)}, buffer)
     packed = zstandard.ZstdCompressor().compress(buffer.getvalue())
     (root / name).write_bytes(packed)
-    server.add_fault(name, "stall", after_bytes=10)
+    server.add_fault(name, "stall", after_bytes=10, bodies_only=True)
     return {"url": server.url(name), "compression": "zstd", "size_bytes": len(packed)}
 
 

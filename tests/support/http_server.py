@@ -24,12 +24,21 @@ Fault kinds and their options:
   then close the connection.
 - ``ignore_range``: answer 200 with the full body even to a ranged request.
 - ``wrong_length``: announce ``length`` as Content-Length, send at most that much, close.
+- ``chunked``: send the file with ``Transfer-Encoding: chunked`` (no length announced).
+- ``endless``: a chunked body of zeros in ``chunk_bytes`` pieces that never ends (until the
+  client goes away or the server stops); the path need not exist.
+- ``redirect``: answer ``code`` (default 302) with ``Location: location``, for GET and PUT
+  (whose body is read first); the path need not exist.
 
-PUT takes ``status``, ``reset``, ``slow`` (read the body in ``chunk_bytes`` pieces
+PUT takes ``redirect``, ``status``, ``reset``, ``slow`` (read the body in ``chunk_bytes`` pieces
 with ``delay_s`` between them) and ``stall`` (read ``after_bytes``, then block).
 
 Every fault also takes ``method`` (``None``: any) and ``range_start_min`` (apply only
 to ranged requests whose first byte is at least that).
+
+Requests are recorded with their headers and request target, so a test can tell what a
+client sent (credentials, an absolute-form target through a proxy): the server also
+answers as a forward proxy would, from its own root.
 """
 
 from __future__ import annotations
@@ -50,7 +59,20 @@ from urllib.parse import unquote, urlsplit
 
 from orchestrator.artifacts import reply, send_file_head
 
-FAULT_KINDS = ("status", "reset", "truncate", "slow", "stall", "ignore_range", "wrong_length")
+FAULT_KINDS = (
+    "status",
+    "reset",
+    "truncate",
+    "slow",
+    "stall",
+    "ignore_range",
+    "wrong_length",
+    "chunked",
+    "endless",
+    "redirect",
+)
+# Answered whether or not the path exists.
+NO_FILE_KINDS = ("endless", "redirect")
 SEND_CHUNK_BYTES = 8 * 1024 * 1024
 RECV_CHUNK_BYTES = 1024 * 1024
 
@@ -65,10 +87,15 @@ class RequestRecord:
     bytes_sent: int  # body bytes sent (GET) or received (PUT) so far
     started: float
     ended: float | None  # None while the request is in flight
+    target: str = ""  # the request line's target as sent (absolute-form through a proxy)
+    headers: tuple[tuple[str, str], ...] = ()
 
     def range_start(self) -> int | None:
         """The first byte of a ``bytes=a-[b]`` Range header, else None."""
         return _range_start(self.range_header)
+
+    def header(self, name: str) -> str | None:
+        return next((value for key, value in self.headers if key.lower() == name.lower()), None)
 
 
 def _range_start(header: str | None) -> int | None:
@@ -88,6 +115,8 @@ class _Live:
     status: int | None = None
     bytes_sent: int = 0
     ended: float | None = None
+    target: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
 
     def snapshot(self) -> RequestRecord:
         return RequestRecord(
@@ -99,7 +128,12 @@ class _Live:
             self.bytes_sent,
             self.started,
             self.ended,
+            self.target,
+            self.headers,
         )
+
+
+PROBE_RANGE = "bytes=0-0"  # how a client asks for a size and shows its URL works
 
 
 @dataclass
@@ -109,9 +143,12 @@ class _Fault:
     method: str | None
     range_start_min: int | None
     options: dict[str, Any] = field(default_factory=dict)
+    bodies_only: bool = False  # skip the one-byte ranged GET a cache sends to check a URL
 
-    def matches(self, method: str, range_start: int | None) -> bool:
+    def matches(self, method: str, range_start: int | None, range_header: str | None = None) -> bool:
         if self.method is not None and self.method.upper() != method:
+            return False
+        if self.bodies_only and range_header == PROBE_RANGE:
             return False
         return self.range_start_min is None or (
             range_start is not None and range_start >= self.range_start_min
@@ -211,11 +248,12 @@ class FaultServer:
         times: int = 1,
         method: str | None = None,
         range_start_min: int | None = None,
+        bodies_only: bool = False,
         **options: Any,
     ) -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; one of {FAULT_KINDS}")
-        fault = _Fault(kind, times, method, range_start_min, dict(options))
+        fault = _Fault(kind, times, method, range_start_min, dict(options), bodies_only)
         with self._lock:
             self._faults.setdefault(relpath.lstrip("/"), []).append(fault)
 
@@ -233,6 +271,15 @@ class FaultServer:
         relpath = relpath.lstrip("/")
         return sum(1 for r in self.requests if r.path == relpath and r.method == method)
 
+    def bodies(self, relpath: str) -> int:
+        """GETs of ``relpath`` that asked for its bytes, not the one-byte check of its URL."""
+        relpath = relpath.lstrip("/")
+        return sum(
+            1
+            for r in self.requests
+            if r.path == relpath and r.method == "GET" and r.range_header != PROBE_RANGE
+        )
+
     def release_stalls(self) -> None:
         self._stalls.release()
 
@@ -247,11 +294,18 @@ class FaultServer:
 
     # --------------------------------------------------------------- for handlers
 
-    def _take_fault(self, relpath: str, method: str, range_start: int | None) -> _Fault | None:
+    def _take_fault(
+        self,
+        relpath: str,
+        method: str,
+        range_start: int | None,
+        kinds: tuple[str, ...] = FAULT_KINDS,
+        range_header: str | None = None,
+    ) -> _Fault | None:
         with self._lock:
             faults = self._faults.get(relpath, [])
             for fault in faults:
-                if fault.matches(method, range_start):
+                if fault.kind in kinds and fault.matches(method, range_start, range_header):
                     if fault.times > 0:
                         fault.times -= 1
                         if fault.times == 0:
@@ -312,6 +366,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         relpath = unquote(parts.path).lstrip("/")
         self._live = _Live(method, relpath, parts.query, self.headers.get("Range"), time.time())
+        self._live.target = self.path
+        self._live.headers = tuple(self.headers.items())
         self.owner._record(self._live)
         try:
             if method == "PUT":
@@ -350,14 +406,28 @@ class _Handler(BaseHTTPRequestHandler):
     # ---------------------------------------------------------------------- GET
 
     def _get(self, relpath: str, head: bool) -> None:
+        range_header = self.headers.get("Range")
+        early = self.owner._take_fault(
+            relpath, self.command, _range_start(range_header), NO_FILE_KINDS, range_header
+        )
+        if early is not None and early.kind == "redirect":
+            self._redirect(early)
+            return
+        if early is not None:
+            self._send_endless(int(early.options.get("chunk_bytes", 64 * 1024)), head)
+            return
         path = self._fs_path(relpath)
         if path is None or not os.path.isfile(path):
             self._simple(404, b"not found\n")
             return
-        range_header = self.headers.get("Range")
-        fault = self.owner._take_fault(relpath, self.command, _range_start(range_header))
+        fault = self.owner._take_fault(
+            relpath, self.command, _range_start(range_header), range_header=range_header
+        )
         if fault is not None and fault.kind == "status":
             self._simple(int(fault.options.get("code", 500)), b"injected failure\n")
+            return
+        if fault is not None and fault.kind == "chunked":
+            self._send_chunked(path, head)
             return
         with open(path, "rb") as fh:
             span = send_file_head(
@@ -399,6 +469,36 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send_range(fh, start, end)
 
+    def _redirect(self, fault: _Fault) -> None:
+        self._simple(int(fault.options.get("code", 302)), b"", {"Location": str(fault.options["location"])})
+
+    def _chunked_head(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _send_chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self._live.bytes_sent += len(data)
+
+    def _send_chunked(self, path: str, head: bool) -> None:
+        self._chunked_head()
+        if head:
+            return
+        with open(path, "rb") as fh:
+            while data := fh.read(RECV_CHUNK_BYTES):
+                self._send_chunk(data)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _send_endless(self, chunk_bytes: int, head: bool) -> None:
+        self._chunked_head()
+        block = bytes(chunk_bytes)
+        # Until the client goes away (an OSError ends the request) or the server stops.
+        while not head and not self.owner._stalls.stopping:
+            self._send_chunk(block)
+        self.close_connection = True
+
     def _send_range(self, fh: Any, start: int, end: int) -> None:
         # socket.sendfile: os.sendfile without a copy through Python, and it copes
         # with the non-blocking descriptor that a socket timeout implies.
@@ -420,6 +520,10 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.owner._take_fault(relpath, "PUT", None)
         kind = fault.kind if fault is not None else None
         options = fault.options if fault is not None else {}
+        if fault is not None and kind == "redirect":
+            self._read_body(None)
+            self._redirect(fault)
+            return
         if kind in ("reset", "stall"):
             self._read_body(None, limit=int(options.get("after_bytes", 0)))
             time.sleep(float(options.get("delay_s", 0.0)))

@@ -7,6 +7,8 @@ import io
 import json
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -308,3 +310,178 @@ def test_hash_of_a_file_equals_hash_of_its_tensors(tmp_path: Path) -> None:
     model = tmp_path / "m.safetensors"
     write_model(model, state)
     assert D.file_state_hash(str(model)) == D.state_hash(state)
+
+
+# ---------------------------------------------------------------- caps (DESIGN §11)
+
+BOMB_BYTES = 1 << 30
+RSS_BOUND_MIB = 200
+
+
+def _zstd_file(path: Path, chunks: list[bytes], *, zeros: int, content_size: bool) -> int:
+    """``chunks`` then ``zeros`` zero bytes as one zstd frame, compressed as a stream (the
+    test never holds the decoded bytes); returns the file's size."""
+    total = sum(map(len, chunks)) + zeros
+    compressor = zstandard.ZstdCompressor(level=3, write_content_size=content_size)
+    block = bytes(1 << 20)
+    size = total if content_size else -1
+    with open(path, "wb") as raw, compressor.stream_writer(raw, size=size, closefd=False) as out:
+        for chunk in chunks:
+            out.write(chunk)
+        for _ in range(zeros // len(block)):
+            out.write(block)
+        out.write(bytes(zeros % len(block)))
+    return path.stat().st_size
+
+
+@pytest.fixture(scope="module")
+def bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """1 GiB of zeros behind each prefix a decoder may take: each about 32 KB on disk."""
+    root = tmp_path_factory.mktemp("bombs")
+    kinds = {
+        "zstd, content size": ([], True),
+        "zstd, no content size": ([], False),
+        "legacy torch": ([b"\x80\x02"], False),
+        "torch zip": ([b"PK\x03\x04"], False),
+    }
+    out = {}
+    for label, (chunks, sized) in kinds.items():
+        path = root / (label.replace(" ", "_").replace(",", "") + ".zst")
+        assert _zstd_file(path, chunks, zeros=BOMB_BYTES, content_size=sized) < 64 * 1024
+        out[label] = path
+    return out
+
+
+def _unsorted_header_bomb(sync: D.SyncDelta, gap: int) -> bytes:
+    """A safetensors delta whose data lies out of key order, with ``gap`` bytes before it."""
+    names = sorted(sync.delta, reverse=True)
+    header, cursor = {}, gap
+    for name in names:
+        nbytes = sync.delta[name].numel() * 2
+        header[name] = {
+            "dtype": "F16",
+            "shape": list(sync.delta[name].shape),
+            "data_offsets": [cursor, cursor + nbytes],
+        }
+        cursor += nbytes
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# Runs in a fresh interpreter, so that its peak RSS is the bombs' alone.
+RSS_CHILD = r"""
+import json, resource, sys
+from executor.delta import apply_sync_delta, read_delta, write_delta, make_sync_delta, state_hash
+from executor.errors import RoundhouseError
+from executor.tensorfile import write_state
+import torch
+model, warm, *bombs = sys.argv[1:]
+state = {"w": torch.randn(64, 64), "b": torch.randn(64).half()}
+sync = make_sync_delta(state, {k: v.float() + 1 for k, v in state.items()})
+def fresh():
+    with open(model, "wb") as f:
+        write_state(f, state)
+fresh()
+write_delta(sync.delta, warm)
+apply_sync_delta(model, warm, base_hash=sync.base_hash, result_hash=sync.result_hash)
+fresh()
+before = open(model, "rb").read()
+baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = {}
+for bomb in bombs:
+    for how in ("apply", "read"):
+        try:
+            if how == "apply":
+                apply_sync_delta(model, bomb, base_hash=sync.base_hash, result_hash=sync.result_hash)
+            else:
+                read_delta(bomb, max_bytes=64 << 20)
+            code, message = "ok", ""
+        except RoundhouseError as exc:
+            code, message = exc.code, exc.message
+        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline
+        out[bomb + " " + how] = [code, message, growth // 1024, open(model, "rb").read() == before]
+print(json.dumps(out))
+"""
+
+
+def test_bombs_are_refused_within_bounded_memory(tmp_path: Path, bombs: dict[str, Path]) -> None:
+    """Each bomb, applied to a small model and read with a 64 MiB cap, is a bad artifact;
+    the process grows by far less than the gibibyte a bomb decodes to, the model intact."""
+    repo = Path(__file__).resolve().parents[2]
+    paths = [str(p) for p in bombs.values()]
+    args = [str(tmp_path / "m.safetensors"), str(tmp_path / "warm.zst"), *paths]
+    child = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, *args], cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    for case, (code, message, growth_mib, intact) in results.items():
+        assert code == "bad_artifact", (case, message)
+        assert growth_mib < RSS_BOUND_MIB, (case, growth_mib)
+        assert intact, case
+    recorded = [m for c, (_, m, _, _) in results.items() if "content_size" in c and "no_content" not in c]
+    assert all("frame records" in m for m in recorded), recorded  # refused before decoding
+    spooled = [m for c, (_, m, _, _) in results.items() if "torch" in c]
+    assert all("cap" in m for m in spooled), spooled  # decoded up to the cap, then refused
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors", "warm.zst"]  # no spool file left
+
+
+def test_the_bound_is_the_models_float32_size_plus_its_framing(tmp_path: Path) -> None:
+    state = {"w": torch.randn(300, 1000).bfloat16(), "steps": torch.tensor(3), "b": torch.randn(7)}
+    model = tmp_path / "m.safetensors"
+    write_model(model, state)
+    bound = D.max_delta_bytes(str(model))
+    assert bound == D.max_delta_bytes(state)
+    data_offset = model.stat().st_size - sum(t.numel() * t.element_size() for t in state.values())
+    # The floating keys' float32 size, the model's header, and framing: 1 KiB a key, 1 MiB a delta.
+    assert bound == 4 * (300 * 1000 + 7) + data_offset + 3 * 1024 + (1 << 20)
+    # A float32 delta of a bf16 model is twice the model's data, and within the bound.
+    sync = D.make_sync_delta(
+        state, {k: v.float() + 1 if v.is_floating_point() else v for k, v in state.items()}, torch.float32
+    )
+    delta = tmp_path / "d.zst"
+    D.write_delta(sync.delta, str(delta))
+    apply_sync_delta(str(model), str(delta), base_hash=sync.base_hash, result_hash=sync.result_hash)
+    assert D.file_state_hash(str(model)) == sync.result_hash
+
+
+def test_zstd_bound_covers_incompressible_data() -> None:
+    for size in (0, 1, 1000, 1 << 20, (1 << 20) + 12345):
+        payload = os.urandom(size)
+        assert len(zstandard.ZstdCompressor(level=3).compress(payload)) <= D.zstd_bound(size)
+
+
+def test_a_delta_over_its_cap_is_refused_by_its_header(tmp_path: Path) -> None:
+    base = sample_state()
+    sync = D.make_sync_delta(
+        base, {k: v.float() + 2 if v.is_floating_point() else v for k, v in base.items()}
+    )
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    write_model(model, base)
+    before = model.read_bytes()
+    cap = D.max_delta_bytes(str(model))
+    # Out of key order (the spooled path), its data beyond the cap: refused before any is decoded.
+    _zstd_file(delta_file, [_unsorted_header_bomb(sync, gap=cap)], zeros=1 << 20, content_size=False)
+    with pytest.raises(BadArtifact, match="header promises"):
+        apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
+    assert model.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["d.zst", "m.safetensors"]
+    # The same layout within the cap applies (zeros for data: the result hash tells).
+    _zstd_file(delta_file, [_unsorted_header_bomb(sync, gap=0)], zeros=1 << 20, content_size=False)
+    with pytest.raises(HashMismatch):
+        apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
+
+
+def test_read_delta_takes_a_cap(tmp_path: Path) -> None:
+    delta = {"w": torch.randn(256, 256).half()}
+    path = tmp_path / "d.zst"
+    D.write_delta(delta, str(path))
+    assert D.state_hash(D.read_delta(str(path))) == D.state_hash(delta)
+    with pytest.raises(BadArtifact, match="frame records"):
+        D.read_delta(str(path), max_bytes=256 * 256 * 2)
+    # Without a recorded size, the same delta is refused by its header's promise.
+    body = zstandard.ZstdDecompressor().decompress(path.read_bytes())
+    _zstd_file(path, [body], zeros=0, content_size=False)
+    assert D.state_hash(D.read_delta(str(path))) == D.state_hash(delta)
+    with pytest.raises(BadArtifact, match="header promises"):
+        D.read_delta(str(path), max_bytes=256 * 256 * 2)

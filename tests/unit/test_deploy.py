@@ -73,6 +73,8 @@ def test_procfile_and_dockerfile_commands_exist() -> None:
         _name, command = line.split(":", 1)
         # The shell's ${VAR:-default}: check with the defaults.
         command = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", command)
+        # A VAR=value prefix sets the command's environment; the command follows it.
+        command = re.sub(r"^\s*(?:[A-Z_]+=\S*\s+)+", "", command)
         check_command(shlex.split(command))
     dockerfile = (REPO / "Dockerfile").read_text()
     for line in dockerfile.splitlines():

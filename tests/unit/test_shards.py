@@ -1,4 +1,8 @@
-"""The persistent, bounded, cross-process shard cache (DESIGN §7), against a real HTTP server."""
+"""The persistent, bounded, cross-process shard cache (DESIGN §7), against a real HTTP server.
+
+Each acquire outside a session first checks the caller's URL with a one-byte ranged GET
+(``executor.shards._access``); the tests tell those checks from downloads by their Range.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +21,16 @@ import pytest
 import torch
 import zstandard
 
-from executor.errors import BadArtifact, CacheTooSmall, InvalidRequest, ShardIndexError
-from executor.shards import ShardCache, ShardDescriptor, ShardSession
+from executor.errors import BadArtifact, CacheTooSmall, DownloadFailed, InvalidRequest, ShardIndexError
+from executor.shards import Origin, ShardCache, ShardDescriptor, ShardSession
 from executor.transfer import TransferConfig
 from settings import Settings
 from tests.support.http_server import FaultServer
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = TransferConfig.from_settings(Settings(download_retries=3, download_backoff_s=0.01, read_timeout_s=10))
+FAST = TransferConfig.from_settings(
+    Settings(download_retries=3, download_backoff_s=0.01, read_timeout_s=10, url_allow=["127.0.0.1"])
+)
 SHARD_ELEMS = 64 * 1024  # 256 KiB of float32 per shard (plus torch's zip overhead)
 
 
@@ -52,6 +58,17 @@ def desc(
 ) -> ShardDescriptor:
     name = f"s{i}.pt.zst" if zstd else f"s{i}.pt"
     return ShardDescriptor(server.url(name, query), "zstd" if zstd else "none", (root / name).stat().st_size)
+
+
+def downloads(server: FaultServer, name: str) -> int:
+    """GETs of ``name`` that fetched its body (not the one-byte URL checks)."""
+    return sum(
+        1 for r in server.requests if r.path == name and r.method == "GET" and r.range_header != "bytes=0-0"
+    )
+
+
+def checks(server: FaultServer, name: str) -> int:
+    return sum(1 for r in server.requests if r.path == name and r.range_header == "bytes=0-0")
 
 
 def cache_files_bytes(cache_dir: Path) -> int:
@@ -112,9 +129,9 @@ def test_hit_after_miss_and_query_string_ignored(served, tmp_path: Path) -> None
     again = cache.acquire("t", desc(server, root, 0, query="sig=two"))  # a re-presigned URL
     assert Path(again.path).read_bytes() == (root / "s0.pt").read_bytes()
     again.release()
-    assert server.count("s0.pt") == 1
+    assert (downloads(server, "s0.pt"), checks(server, "s0.pt")) == (1, 2)  # each caller's URL checked
     stats = cache.stats()
-    assert (stats.hits, stats.misses, stats.entries) == (1, 1, 1)
+    assert (stats.hits, stats.misses, stats.entries, stats.checks) == (1, 1, 1, 2)
 
 
 def test_zstd_shard_is_decoded_and_packed_copy_removed(served, tmp_path: Path) -> None:
@@ -208,11 +225,10 @@ def test_two_processes_download_each_shard_once(served, tmp_path: Path) -> None:
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     for i in range(4):
-        # No size_bytes in the descriptors: each miss first probes the size with a 1-byte ranged GET.
-        bodies = [r for r in server.requests if r.path == f"s{i}.pt" and r.range_header != "bytes=0-0"]
-        probes = [r for r in server.requests if r.path == f"s{i}.pt" and r.range_header == "bytes=0-0"]
-        counts = (len(bodies), len(probes))
-        assert counts == (1, 1), f"shard {i}: {counts[0]} downloads, {counts[1]} probes"
+        # Each process checks its own URL once (a 1-byte ranged GET, which also gives the size
+        # the descriptor left out); only one of them downloads.
+        counts = (downloads(server, f"s{i}.pt"), checks(server, f"s{i}.pt"))
+        assert counts == (1, 2), f"shard {i}: {counts[0]} downloads, {counts[1]} checks"
     paths = [{json.loads(line)["path"] for line in out.splitlines() if '"path"' in line} for out in outputs]
     assert paths[0] == paths[1]
 
@@ -220,6 +236,7 @@ def test_two_processes_download_each_shard_once(served, tmp_path: Path) -> None:
 def test_kill_9_mid_download_leaves_nothing_corrupt_and_resumes(served, tmp_path: Path) -> None:
     server, root = served
     cache_dir = tmp_path / "cache"
+    server.add_fault("s2.pt", "slow", chunk_bytes=1 << 20)  # the URL check goes through as is
     server.add_fault("s2.pt", "stall", after_bytes=100_000)
     d = desc(server, root, 2)
     proc = subprocess.Popen(
@@ -244,7 +261,8 @@ def test_kill_9_mid_download_leaves_nothing_corrupt_and_resumes(served, tmp_path
         proc.wait(timeout=10)
     finally:
         server.release_stalls()
-    entry = ShardCache(str(cache_dir), 10 << 20, transfer_config=FAST).entry_path("t", d)
+    later = ShardCache(str(cache_dir), 10 << 20, transfer_config=FAST)
+    entry = later.entry_path("t", d, later.check("t", d))
     assert not os.path.exists(entry), "a partial download appeared under the final name"
     assert not list((cache_dir / "reservations").iterdir()), "the dead process's reservation was not dropped"
     assert not [n for n in os.listdir(Path(entry).parent) if n.endswith(".tmp")]
@@ -261,7 +279,7 @@ def test_tenants_are_separate_and_removed_alone(served, tmp_path: Path) -> None:
     cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
     a = cache.acquire("alice", desc(server, root, 0))
     b = cache.acquire("bob", desc(server, root, 0))
-    assert a.path != b.path and server.count("s0.pt") == 2
+    assert a.path != b.path and downloads(server, "s0.pt") == 2
     a.release()
     b.release()
     freed = cache.remove_tenant("alice")
@@ -285,7 +303,7 @@ def test_session_prefetch_overlaps_compute(served, tmp_path: Path) -> None:
         assert int(data["index"]) == i
         time.sleep(0.6)  # "compute", slower than one fetch (~0.05 s of delays per shard)
         nxt = session.next_index(i)
-        assert os.path.exists(cache.entry_path("t", session.descriptors[nxt])), f"shard {nxt} not prefetched"
+        assert os.path.exists(session.cached_path(nxt)), f"shard {nxt} not prefetched"
     assert max(waits[1:]) < waits[0], f"later shards waited on I/O: {waits}"
     session.close()
 
@@ -311,7 +329,7 @@ def test_threads_racing_for_one_missing_shard_download_it_once(served, tmp_path:
     cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
     for round_index in range(3):
         i = round_index + 1
-        server.add_fault(f"s{i}.pt", "slow", times=1, chunk_bytes=64 * 1024, delay_s=0.02)
+        server.add_fault(f"s{i}.pt", "slow", times=-1, chunk_bytes=64 * 1024, delay_s=0.02)
         pins: list = []
         errors: list = []
 
@@ -328,6 +346,115 @@ def test_threads_racing_for_one_missing_shard_download_it_once(served, tmp_path:
             thread.join(timeout=30)
         assert not any(t.is_alive() for t in threads), "threads deadlocked on one entry"
         assert not errors and len(pins) == 6
-        assert server.count(f"s{i}.pt") == 1
+        assert downloads(server, f"s{i}.pt") == 1
         for pin in pins:
             pin.release()
+
+
+# ---------------------------------------------------------------- caps and URL checks
+
+
+def no_reservations(cache_dir: Path) -> bool:
+    return not list((cache_dir / "reservations").iterdir())
+
+
+def test_a_shard_over_the_cap_is_refused_before_its_body(served, tmp_path: Path) -> None:
+    server, root = served
+    size = (root / "s0.pt").stat().st_size
+    cache_dir = tmp_path / "cache"
+    cache = ShardCache(str(cache_dir), 10 << 20, transfer_config=FAST, max_shard_bytes=size - 1)
+    # Without size_bytes the server's answer is held to the cap; with it, the descriptor's size.
+    for descriptor in (
+        ShardDescriptor(server.url("s0.pt", "sig=secret")),
+        desc(server, root, 0, query="sig=secret"),
+    ):
+        with pytest.raises(DownloadFailed) as caught:
+            cache.acquire("t", descriptor)
+        assert caught.value.code == "download_failed"
+        message = caught.value.message
+        assert "cap" in message and server.url("s0.pt") in message and "secret" not in message
+    assert downloads(server, "s0.pt") == 0
+    assert cache_files_bytes(cache_dir) == 0 and no_reservations(cache_dir)
+
+
+def test_a_size_other_than_the_descriptors_is_refused_before_its_body(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    wrong = ShardDescriptor(server.url("s0.pt"), "none", (root / "s0.pt").stat().st_size + 1)
+    with pytest.raises(DownloadFailed) as caught:
+        cache.acquire("t", wrong)
+    assert caught.value.details["expected"] == wrong.size_bytes
+    assert downloads(server, "s0.pt") == 0 and cache.stats().entries == 0
+
+
+def zstd_without_content_size(data: bytes) -> bytes:
+    packer = zstandard.ZstdCompressor().compressobj()
+    packed = packer.compress(data) + packer.flush()
+    assert zstandard.get_frame_parameters(packed).content_size == zstandard.CONTENTSIZE_UNKNOWN
+    return packed
+
+
+def test_zstd_decode_never_passes_the_cap(served, tmp_path: Path) -> None:
+    server, root = served
+    zeros = b"\0" * (8 << 20)
+    frames = {
+        "recorded.zst": zstandard.ZstdCompressor().compress(zeros),  # refused from its header
+        "streamed.zst": zstd_without_content_size(zeros),  # refused once the output reaches the cap
+    }
+    cap = 1 << 20
+    cache_dir = tmp_path / "cache"
+    cache = ShardCache(str(cache_dir), 64 << 20, transfer_config=FAST, max_shard_bytes=cap)
+    for name, packed in frames.items():
+        (root / name).write_bytes(packed)
+        with DiskMonitor(cache_dir) as monitor, pytest.raises(DownloadFailed) as caught:
+            cache.acquire("t", ShardDescriptor(server.url(name, "sig=x"), "zstd", len(packed)))
+        assert "cap" in caught.value.message and "sig" not in caught.value.message, name
+        assert monitor.peak <= len(packed) + cap, name
+        assert cache_files_bytes(cache_dir) == 0 and no_reservations(cache_dir), name
+    assert cache.stats().entries == 0
+
+
+def test_a_frame_decoding_past_its_recorded_size_is_bad(served, tmp_path: Path) -> None:
+    server, root = served
+    one = zstandard.ZstdCompressor().compress(b"\1" * 4096)
+    (root / "two-frames.zst").write_bytes(one + one)  # the header says 4096, the data says more
+    cache_dir = tmp_path / "cache"
+    cache = ShardCache(str(cache_dir), 10 << 20, transfer_config=FAST)
+    with pytest.raises(BadArtifact):
+        cache.acquire("t", ShardDescriptor(server.url("two-frames.zst"), "zstd", 2 * len(one)))
+    assert cache_files_bytes(cache_dir) == 0 and no_reservations(cache_dir)
+
+
+def test_a_session_checks_each_url_once(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    descriptors = [desc(server, root, i, query="sig=s") for i in range(3)]
+    session = ShardSession(cache, "t", descriptors, abort=threading.Event())
+    for _round in range(3):
+        for i in range(3):
+            session.get(i)
+    session.wait_prefetch()
+    assert [checks(server, f"s{i}.pt") for i in range(3)] == [1, 1, 1]
+    assert [downloads(server, f"s{i}.pt") for i in range(3)] == [1, 1, 1]
+    assert cache.stats().checks == 3
+    session.close()
+    again = ShardSession(cache, "t", descriptors, abort=threading.Event())
+    again.get(0)  # a new session shows its URL again, then reads the entry
+    assert (checks(server, "s0.pt"), downloads(server, "s0.pt")) == (2, 1)
+    again.close()
+
+
+def test_an_origin_names_the_entry(served, tmp_path: Path) -> None:
+    server, root = served
+    cache = ShardCache(str(tmp_path / "cache"), 10 << 20, transfer_config=FAST)
+    d = desc(server, root, 0)
+    origin = cache.check("t", d)
+    assert isinstance(origin, Origin) and origin.size == d.size_bytes
+    pin = cache.acquire("t", d, checked=origin)
+    assert pin.origin == origin and pin.path == cache.entry_path("t", d, origin)
+    assert checks(server, "s0.pt") == 1  # acquire trusted the check it was given
+    other = cache.entry_path("t", d, Origin(origin.size, '"another-etag"'))
+    assert other != pin.path  # a changed object is another entry, never this one
+    with pytest.raises(ValueError):
+        cache.entry_path("t", d)  # an entry not addressed by content has no name before its check
+    pin.release()

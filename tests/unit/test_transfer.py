@@ -38,11 +38,15 @@ SECRET_QUERY = "X-Amz-Signature=secret-token&X-Amz-Credential=AKIAEXAMPLE"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Small buffers so that a few MiB make many reads; tiny backoff so retries are quick.
-FAST = TransferConfig.from_settings(
-    Settings(
-        download_retries=3, download_backoff_s=0.01, read_timeout_s=20.0, download_buffer_bytes=64 * 1024
-    )
+FAST_SETTINGS = dict(
+    download_retries=3, download_backoff_s=0.01, read_timeout_s=20.0, download_buffer_bytes=64 * 1024
 )
+FAST = TransferConfig.from_settings(Settings(**FAST_SETTINGS))
+
+
+def _rooted(*roots: Path) -> TransferConfig:
+    """FAST, with file:// URLs allowed under ``roots``."""
+    return TransferConfig.from_settings(Settings(**FAST_SETTINGS, file_roots=[str(root) for root in roots]))
 
 
 def _write_random(path: Path, size_bytes: int) -> str:
@@ -638,21 +642,26 @@ def test_sidecar_of_another_url_is_not_resumed(server: FaultServer, blob: tuple[
 # ----------------------------------------------------------------------- local URLs
 
 
-@pytest.mark.parametrize("as_url", [True, False])
-def test_local_sources_are_copied(root: Path, out: Path, blob: tuple[str, str], as_url: bool) -> None:
+def test_local_sources_are_copied(root: Path, out: Path, blob: tuple[str, str]) -> None:
     relpath, digest = blob
     source = root / relpath
-    url = source.as_uri() if as_url else str(source)
-    result = fetch(url, str(out / "copy.bin"), sha256=digest, config=FAST)
+    result = fetch(source.as_uri(), str(out / "copy.bin"), sha256=digest, config=_rooted(root))
     assert result.connections == 0 and result.sha256 == digest
     assert _sha256(out / "copy.bin") == digest
     assert source.exists() and os.stat(source).st_nlink == 1  # neither moved nor hard-linked
     _no_leftovers(out / "copy.bin")
 
 
+def test_a_plain_path_is_not_a_url(root: Path, out: Path, blob: tuple[str, str]) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        fetch(str(root / blob[0]), str(out / "copy.bin"), config=_rooted(root))
+    assert info.value.code == "invalid_request" and "file://" in str(info.value)
+    assert os.listdir(out) == []
+
+
 def test_local_source_missing(out: Path) -> None:
     with pytest.raises(DownloadFailed):
-        fetch(str(out / "nope.bin"), str(out / "f"), config=FAST)
+        fetch((out / "nope.bin").as_uri(), str(out / "f"), config=_rooted(out))
 
 
 # ------------------------------------------------------------------------- upload
@@ -689,14 +698,23 @@ def test_upload_failure_is_redacted(server: FaultServer, tmp_path: Path) -> None
     assert server.count("d.bin", "PUT") == 3
 
 
-@pytest.mark.parametrize("as_url", [True, False])
-def test_upload_to_local_destination(tmp_path: Path, as_url: bool) -> None:
+def test_upload_to_local_destination(tmp_path: Path) -> None:
     source = tmp_path / "delta.bin"
     digest = _write_random(source, 2 * MIB)
     target = tmp_path / "shared" / "volume" / "delta.bin"
-    assert upload(str(source), target.as_uri() if as_url else str(target), config=FAST) == 2 * MIB
+    (tmp_path / "shared").mkdir()  # the root exists; what is below it is made
+    assert upload(str(source), target.as_uri(), config=_rooted(tmp_path / "shared")) == 2 * MIB
     assert _sha256(target) == digest
     assert sorted(os.listdir(target.parent)) == ["delta.bin"]  # no temp file left behind
+
+
+def test_upload_to_a_plain_path_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "delta.bin"
+    source.write_bytes(b"abc")
+    (tmp_path / "shared").mkdir()
+    with pytest.raises(InvalidRequest):
+        upload(str(source), str(tmp_path / "shared" / "delta.bin"), config=_rooted(tmp_path / "shared"))
+    assert os.listdir(tmp_path / "shared") == []
 
 
 def test_upload_stops(server: FaultServer, tmp_path: Path) -> None:
@@ -740,7 +758,7 @@ def test_remote_size(server: FaultServer, root: Path, blob: tuple[str, str]) -> 
     assert remote_size(server.url(relpath), config=FAST) == 4 * MIB
     (root / "empty.bin").write_bytes(b"")
     assert remote_size(server.url("empty.bin"), config=FAST) == 0
-    assert remote_size(str(root / relpath), config=FAST) == 4 * MIB
+    assert remote_size((root / relpath).as_uri(), config=_rooted(root)) == 4 * MIB
     with pytest.raises(DownloadFailed):
         remote_size(server.url("missing.bin"), config=FAST)
 
