@@ -56,7 +56,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_backend_always_retry": True,
         "result_backend_max_retries": 120,
         "broker_connection_max_retries": None,
-        "result_extended": True,
+        # Off: an extended result would keep the task's kwargs — presigned URLs, tokens and
+        # all — in Redis for result_expires. The orchestrator knows what it sent.
+        "result_extended": False,
         "result_expires": 7 * 24 * 3600,
         "task_default_queue": settings.queue,
     }
