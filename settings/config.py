@@ -42,6 +42,18 @@ class Settings(BaseSettings):
     host_id: str = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "host")
     gpu: int | None = None
 
+    # The control plane (DESIGN §11): task and control messages signed (Celery's auth
+    # serializer). A worker trusts only the certificates in trusted_certs (a PEM file or a
+    # directory of them); a client signs with signing_key + signing_cert. A signed message
+    # older than message_max_age_s is refused. tls_ca_file: the CA that rediss:// servers
+    # are checked against. insecure: run unsigned on a non-loopback broker anyway.
+    trusted_certs: str | None = None
+    signing_key: str | None = None
+    signing_cert: str | None = None
+    message_max_age_s: float = 3600.0
+    tls_ca_file: str | None = None
+    insecure: bool = False
+
     # Broker, results, events (used by tasks/; the engine does not touch them)
     broker_url: str = "redis://127.0.0.1:6379/0"
     result_backend: str | None = None
@@ -121,6 +133,10 @@ class Settings(BaseSettings):
     bundle_max_files: int = 10_000
     stop_join_timeout_s: float = 30.0
     default_delta_dtype: str = "float16"
+    # Quantised trained deltas ("int8", "int4"): values in blocks of this many, each block with
+    # its absmax scale stored as this dtype (issue 16).
+    quant_block_size: int = 64
+    quant_scale_dtype: Literal["float32", "float16"] = "float32"
 
     # The reference orchestrator (orchestrator/): an S3-compatible store when an endpoint is
     # set, else its own artifact server, reachable by workers at demo_public_host.
