@@ -90,6 +90,7 @@ def run_round(
     delta_dtype: str = "float16",
 ) -> dict[str, Any]:
     from executor.session import parse_delta_dtype
+    from executor.transfer import TransferConfig, check_url
 
     rt = runtime()
     task_id = self.request.id
@@ -97,6 +98,8 @@ def run_round(
         if (done := _recall(task_id)) is not None:
             return done  # redelivered after it finished: the round is not run twice
         parse_delta_dtype(delta_dtype)
+        if delta_url:  # refused before the round trains, not after (nothing is written)
+            check_url(delta_url, config=TransferConfig.from_settings(rt.settings))
         started = time.monotonic()
         rt.executor.run(steps, round_num, total_rounds, mode, step_offset)
         rt.wait_round(current)

@@ -152,7 +152,10 @@ class ShardCache:
         return self.ledger.max_bytes
 
     def check_fits(self, descriptors: list[ShardDescriptor]) -> None:
-        """Refuse at load, not mid-round, when known shard sizes cannot fit two at a time."""
+        """Refuse at load, not mid-round: a URL the policy refuses (any shard, not only the
+        staged one), or known shard sizes that cannot fit two at a time."""
+        for descriptor in descriptors:
+            transfer.check_url(descriptor.url, config=self.transfer_config)
         sizes = [d.size_bytes for d in descriptors]
         if len(sizes) < 2 or not all(sizes):
             return

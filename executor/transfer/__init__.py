@@ -35,13 +35,13 @@ Behind this surface, private modules, each importing only those listed before it
     _stream    one sequential GET, resumed; hands over to _ranged when slow
     _local     file:// copies and uploads, hashing a finished file
     _fetch     fetch, remote_size and remote_info: the policy, download, check, move into place
-    _upload    upload: HTTP PUT or a file:// copy
+    _upload    upload: HTTP PUT or a file:// copy; check_url: the policy's verdict before any I/O
 """
 
 from executor.transfer._config import FetchResult, Head, Progress, RemoteInfo, TransferConfig
 from executor.transfer._fetch import fetch, remote_info, remote_size
 from executor.transfer._partial import partial_paths
-from executor.transfer._upload import upload
+from executor.transfer._upload import check_url, upload
 from executor.transfer._urls import redact_url
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "Progress",
     "RemoteInfo",
     "TransferConfig",
+    "check_url",
     "fetch",
     "partial_paths",
     "redact_url",

@@ -31,6 +31,16 @@ def upload(path: str, url: str, *, config: TransferConfig, abort: threading.Even
         return _upload_http(path, url, config, cancel)
 
 
+def check_url(url: str, *, config: TransferConfig) -> None:
+    """Refuse now a URL that :func:`upload` or :func:`fetch` would refuse before connecting
+    (another scheme, a plain path, a ``file://`` URL outside the roots): ``InvalidRequest``.
+
+    A round checks its ``delta_url`` with this before it trains, so a refused upload never
+    costs a round's work. Addresses are still checked at connect time, on every hop.
+    """
+    config.policy.target(url)
+
+
 class _UploadBody:
     """A file body for requests: sent in blocks (never loaded whole), abortable between them."""
 
