@@ -134,6 +134,8 @@ def test_stop_while_the_gpu_is_busy(probes: dict[str, Any], record: Callable[...
     for event in client.events(HOST, since=since, idle_timeout_s=120):
         if event.type == "log" and "gpu busy" in event.data.get("text", ""):
             break
+    else:  # the stream went idle first: the kernel loop never started, nothing to stop
+        raise AssertionError("no 'gpu busy' log: the round never reached its kernel loop")
     time.sleep(1.0)  # well inside the kernel loop
     asked = time.monotonic()
     client.stop(pending.id, host=HOST)

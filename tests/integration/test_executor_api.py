@@ -42,8 +42,7 @@ def test_seed_constructor_and_thread_api(env, tmp_path: Path) -> None:
     with pytest.raises(IndexError):  # seed callers catch IndexError
         ex.get_shard(3)
     ex.run(steps=3, round_num=0, total_rounds=1, mode="training", step_offset=10)
-    assert ex.is_running() or ex.training_time >= 0
-    ex.wait()
+    assert ex.wait(60), "the round did not end"
     assert not ex.is_running()
     assert ex.execution_error is None and ex.report is not None and ex.training_time > 0
     assert ex.modified_state is not None and set(ex.modified_state) == set(original)
@@ -52,6 +51,21 @@ def test_seed_constructor_and_thread_api(env, tmp_path: Path) -> None:
     ex.reset()
     ex.shutdown()
     ex.shutdown()  # idempotent
+
+
+def test_run_returns_while_the_round_runs_and_wait_reports_it(env) -> None:
+    # The seed's run() starts the round in a thread and returns; tenant code that only ends
+    # when stopped proves it (no timing: the round cannot have finished on its own).
+    server, _root, settings, descriptors = env
+    ex = Executor(lambda _s: None, lambda _l: None, settings=settings)
+    ex.load(server.url("model.safetensors"), descriptors, "while True:\n    should_stop()\n")
+    ex.run(steps=1)
+    assert ex.is_running()
+    assert ex.wait(0.2) is False and ex.is_running()  # a timed-out wait says so
+    ex.stop()
+    assert ex.wait(60) and not ex.is_running()
+    assert ex.finish_round().status is RoundStatus.STOPPED
+    ex.shutdown()
 
 
 def test_namespace_is_the_contract(env) -> None:

@@ -76,7 +76,13 @@ def test_rounds_and_bit_exact_sync(env, model_name: str) -> None:
     assert second.status is RoundStatus.COMPLETED, second.error
     assert second.delta is not None and second.delta.url and "sig" not in second.delta.url
     assert state_hash(read_delta(str(root / "uploads" / "r1.zst"))) == second.delta.hash
-    assert second.report["final_loss"] < first.report["final_loss"] * 1.5
+    # Round 1 trains on from round 0's synced model, so it is strictly better, step for step on
+    # average (deterministic: CPU, seeded model and shards) — a round that restarted from the
+    # original model, or lost the sync, would not be.
+    losses = [float(s["loss"]) for s in sink["stats"]]
+    assert len(losses) == 12, losses
+    assert sum(losses[6:]) / 6 < sum(losses[:6]) / 6, losses
+    assert second.report["final_loss"] < losses[0], losses
     # The shards were fetched once each, across rounds (round 1 reused what round 0 cached);
     # the session showed each shard's URL once (a one-byte ranged GET: DESIGN §11, tenant data).
     for i in range(3):

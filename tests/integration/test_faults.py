@@ -41,9 +41,11 @@ if round_num == 9:
     emit_log("shard round started")
     get_shard(num_shards - 1)
 if round_num == 7:
+    open("/task/round7-started", "w").close()
     for step in range(steps):
         time.sleep(0.25)
         emit_stats({"step": step})
+    open("/task/round7-done", "w").close()
 emit_stats({"executions": 1})
 save_report({"round": round_num})
 """
@@ -108,6 +110,13 @@ def kill_child(worker: WorkerProcess, pid: int | None = None) -> int:
             pass
         time.sleep(0.2)
     raise AssertionError("no replacement child")
+
+
+def wait_for_file(path: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
 
 
 def task_events(client: RoundClient, host: str, since: int, task_id: str) -> list:
@@ -259,10 +268,15 @@ def test_redis_down_at_the_end_of_a_round_loses_nothing_and_runs_nothing_twice(w
     server, client, redis_server = world["server"], world["client"], world["redis"]
     client.load_model("f1", server.url("model.safetensors"), world["shards"], CODE).get(timeout=120)
     since = event_seq(client, "f1")
+    task_dir = world["f1"].directory / "work" / "f1" / "session" / "sandbox" / "task"
+    for marker in ("round7-started", "round7-done"):
+        (task_dir / marker).unlink(missing_ok=True)
     pending = client.run_round("f1", steps=8, round_num=7)  # about 2 s of work
-    time.sleep(1.0)
+    wait_for_file(task_dir / "round7-started")
     redis_server.kill()
-    time.sleep(4.0)  # the round ends (and its result waits) while Redis is away
+    # The round ends while Redis is away (tenant code got past its last step), so its events
+    # and its result had to wait for Redis in the worker.
+    wait_for_file(task_dir / "round7-done")
     redis_server.start()
     deadline = time.monotonic() + 120
     while (meta := pending.backend.get_task_meta(pending.id, cache=False))["status"] != "SUCCESS":

@@ -176,11 +176,14 @@ def test_known_base_hash_skips_rehash_but_result_is_still_proven(tmp_path: Path)
             result_hash=sync.result_hash,
             known_base_hash="x",
         )
-    # A lying cached hash cannot make a wrong file pass: the result hash catches it.
+    # A lying cached hash cannot make a wrong file pass: the result hash catches it. That the
+    # result check is the one that fires proves the base was not hashed again (the base check
+    # comes first and would have named the tampered file).
     tampered = dict(base)
     tampered["a.weight"] = base["a.weight"] + 1
     write_model(model, tampered)
-    with pytest.raises(HashMismatch):
+    before = model.read_bytes()
+    with pytest.raises(HashMismatch) as caught:
         apply_sync_delta(
             str(model),
             str(delta_file),
@@ -188,6 +191,12 @@ def test_known_base_hash_skips_rehash_but_result_is_still_proven(tmp_path: Path)
             result_hash=sync.result_hash,
             known_base_hash=sync.base_hash,
         )
+    assert "result" in str(caught.value) and caught.value.details["expected"] == sync.result_hash
+    assert model.read_bytes() == before  # refused: the file is as it was
+    # Without the cached hash the same file fails the base check instead.
+    with pytest.raises(HashMismatch) as rehashed:
+        apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
+    assert "not the delta's base" in str(rehashed.value), rehashed.value
 
 
 def _mismatch_cases(sync: D.SyncDelta) -> dict[str, tuple[dict[str, torch.Tensor], str, str, type]]:

@@ -48,10 +48,9 @@ def test_compose_has_the_stack(compose: dict) -> None:
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["worker-cpu"]["profiles"] == ["cpu"] and "deploy" not in services["worker-cpu"]
     assert services["demo"]["restart"] == "no"
-    assert (
-        services["redis"]["healthcheck"]
-        and services["worker"]["depends_on"]["redis"]["condition"] == "service_healthy"
-    )
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    for name in ("worker", "worker-cpu"):
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
     env = services["demo"]["environment"]
     assert env["ROUNDHOUSE_S3_ENDPOINT"] == "http://minio:9000"
     assert env["ROUNDHOUSE_BROKER_URL"] == "redis://redis:6379/0"

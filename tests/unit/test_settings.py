@@ -28,7 +28,7 @@ def test_celery_config_is_json_only_one_at_a_time_and_long_visibility() -> None:
     assert config["result_backend_transport_options"]["visibility_timeout"] == 86400 * 3
     assert config["worker_max_tasks_per_child"] is None and config["worker_max_memory_per_child"] is None
     assert config["task_time_limit"] is None and config["task_acks_late"] is True
-    assert config["task_track_started"] and config["worker_send_task_events"]
+    assert config["task_track_started"] is True and config["worker_send_task_events"] is True
     assert config["result_backend"] == "redis://r:6379/0"  # the broker, unless set
     other = celery_config(Settings(broker_url="amqp://guest@mq//", result_backend="redis://r/1"))
     assert other["worker_disable_prefetch"] is False and other["result_backend"] == "redis://r/1"
