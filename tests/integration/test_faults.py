@@ -50,6 +50,7 @@ emit_stats({"executions": 1})
 save_report({"round": round_num})
 """
 
+EXPIRY_S = 15  # presigned URLs that expire during the test
 WORKER_ENV = {
     "ROUNDHOUSE_DOWNLOAD_LOW_SPEED_BYTES_S": "4096",
     "ROUNDHOUSE_DOWNLOAD_LOW_SPEED_TIME_S": "1",
@@ -339,7 +340,7 @@ def test_an_expired_presigned_url_is_a_clear_failure_without_the_token(world, tm
             store.publish(f"s{i}.zst", path)
             published.append(
                 {
-                    "url": store.url_get(f"s{i}.zst", expires_s=3),
+                    "url": store.url_get(f"s{i}.zst", expires_s=EXPIRY_S),
                     "compression": "zstd",
                     "size_bytes": path.stat().st_size,
                 }
@@ -347,8 +348,10 @@ def test_an_expired_presigned_url_is_a_clear_failure_without_the_token(world, tm
         (tmp_path / "m.safetensors").write_bytes((world["root"] / "model.safetensors").read_bytes())
         model_url = store.publish("m.safetensors", tmp_path / "m.safetensors")
         code = "get_shard(2)"
+        expires_at = time.time() + EXPIRY_S
+        # The load must finish while the URLs are good: EXPIRY_S leaves a loaded machine room.
         client.load_model("f1", model_url, published, code, initial_shard_index=0).get(timeout=120)
-        time.sleep(4)  # every shard URL has expired now
+        time.sleep(max(0.0, expires_at - time.time()) + 1.5)  # every shard URL has expired now
         since = event_seq(client, "f1")
         pending = client.run_round("f1", steps=1)
         result = pending.get(timeout=120)

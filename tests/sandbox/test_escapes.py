@@ -429,7 +429,9 @@ def test_a_detached_daemon_does_not_outlive_its_round(world) -> None:  # type: i
                 with open('/task/daemon-alive', 'w') as f:
                     f.write(str(n))
                 time.sleep(0.05)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not os.path.exists('/task/daemon-alive') and time.monotonic() < deadline:
+            time.sleep(0.01)
         save_report({'started': os.path.exists('/task/daemon-alive')})
         """,
     )
@@ -438,7 +440,7 @@ def test_a_detached_daemon_does_not_outlive_its_round(world) -> None:  # type: i
         """
         import time
         first = open('/task/daemon-alive').read()
-        time.sleep(0.5)
+        time.sleep(2.0)  # a live daemon would have written ~40 times by now
         save_report({'changed': open('/task/daemon-alive').read() != first})
         """,
     )
@@ -535,7 +537,10 @@ def test_a_loop_that_ignores_stop_is_killed_after_the_grace(world) -> None:  # t
         """
     )
     executor.run(steps=1)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while not world.attempts():  # the loop is entered: now a stop has to get through it
+        assert time.monotonic() < deadline, "the round never started"
+        time.sleep(0.01)
     started = time.monotonic()
     threading.Thread(target=executor.stop).start()
     assert executor.wait(30), "the round did not end"

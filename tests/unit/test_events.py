@@ -70,7 +70,9 @@ def test_emit_never_blocks_while_redis_is_down_and_drops_are_counted(redis_serve
     started = time.monotonic()
     for i in range(200):
         publisher.emit("stats", {"i": i})
-    assert time.monotonic() - started < 0.5, "emit blocked while Redis was down"
+    # Generous on purpose (a loaded CI machine): an emit that waited for Redis would retry its
+    # connection with backoff (up to retry_max_s=0.2 s) every time, 200 times: 40 s and more.
+    assert time.monotonic() - started < 5.0, "emit blocked while Redis was down"
     # 50 fit in the buffer and one may already be in flight when Redis went away.
     assert publisher.dropped >= 149
     redis_server.start()
@@ -104,7 +106,7 @@ def test_a_live_subscriber_survives_a_redis_restart(redis_server: RedisServer) -
     redis_server.kill()
     for i in range(10, 20):
         publisher.emit("stats", {"i": i})
-    time.sleep(0.5)
+    time.sleep(0.5)  # not for correctness: the outage lasts a while, as a real one would
     redis_server.start()
     publisher.flush(20)
     follower.join(20)
