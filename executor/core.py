@@ -25,10 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from executor import placement, transfer
-from executor.delta import file_state_hash
+from executor.delta import DEFAULT_SCHEME, check_scheme
 from executor.errors import CleanupFailed, ErrorInfo, InvalidRequest
 from executor.fileio import MIB, empty_dir, own_dir
-from executor.modelfile import InstalledModel, ModelFiles
+from executor.loading import LoadPipeline
+from executor.modelfile import ModelFiles
 from executor.results import ApplyOutcome, ExecutorState, LoadResult, RoundResult
 from executor.rounds import (
     InThreadRunner,
@@ -43,12 +44,10 @@ from executor.rounds import (
 )
 from executor.sandbox import SandboxedRunner
 from executor.session import (
-    LoadArgs,
     Session,
     check_load_args,
     check_round_args,
     check_update_args,
-    drop_manifest,
     parse_delta_dtype,
     session_from_manifest,
     write_manifest,
@@ -193,11 +192,14 @@ class Executor:
         initial_shard_index: int = 0,
         *,
         tenant: str = "default",
+        hash_scheme: str = DEFAULT_SCHEME,
     ) -> LoadResult:
         """Download and validate the model, stage one shard, and start the next one's prefetch.
 
-        Nothing is touched until the request validates; a failure after that leaves
-        the executor idle (never with a half-written model file).
+        The model download, the first shard and the sandboxed runner's start run at once
+        (``executor.loading``); the model hash (``hash_scheme``: ``sha256`` or ``blake3``)
+        follows the bytes as they land. Nothing is touched until the request validates; a
+        failure after that leaves the current session as it was (never a half-written file).
         """
         started = time.monotonic()
         if self.is_running():
@@ -205,9 +207,26 @@ class Executor:
         self._stop_event.clear()
         compiled = validate_script(code, max_bytes=self.settings.max_script_bytes)
         args = check_load_args(model_url, dataset_shards, batch_size, params, initial_shard_index, tenant)
+        scheme = check_scheme(hash_scheme)
         if not self._cache_private:
             self._cache.check_fits(args.descriptors)
-        model, dataset, staged, artifact = self._stage_session(model_url, args)
+        pipeline = LoadPipeline(
+            self._models,
+            self._runner,
+            self._stop_event,
+            stage_first_shard=self._stage_first_shard,
+            join_timeout_s=self.settings.stop_join_timeout_s,
+        )
+        staged = pipeline.run(
+            model_url,
+            args,
+            code,
+            scheme=scheme,
+            dataset=self._dataset(args.tenant, args.descriptors),
+            previous=self._session,
+        )
+        model, artifact = staged.model, staged.artifact
+        # The previous session's dataset was closed by the pipeline, its runner replaced.
         self._session = session = Session(
             tenant=args.tenant,
             model_url=model_url,
@@ -216,7 +235,7 @@ class Executor:
             compiled=compiled,
             params=args.params,
             batch_size=args.batch_size,
-            dataset=dataset,
+            dataset=staged.dataset,
         )
         write_manifest(session, self._tmpdir)
         self._runner.open(session, warm=True)  # warm: torch and CUDA load now, not in round 1
@@ -227,34 +246,10 @@ class Executor:
             model.model_hash,
             artifact.keys,
             artifact.bytes,
-            staged,
+            staged.staged_shard,
             time.monotonic() - started,
             artifact.source_format,
         )
-
-    def _stage_session(
-        self, model_url: str, args: LoadArgs
-    ) -> tuple[InstalledModel, ShardSession, int | None, Any]:
-        """Fetch and check the model and the first shard beside the current session; replace it
-        only once the new one is complete, so a bad model or shard leaves the old one intact."""
-        with self._models.staging() as staging:
-            artifact = self._models.fetch(model_url, "model", staging)
-            model_hash = file_state_hash(artifact.model_path)
-            dataset = self._dataset(args.tenant, args.descriptors)
-            if self._session is not None:
-                self._session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)  # free its pins
-            staged = None
-            try:
-                if args.descriptors and self._stage_first_shard:
-                    staged = dataset.stage(args.initial_shard_index % len(args.descriptors))
-                self._close_session()
-                # A crash from here on must not rehydrate the old session onto the new model.
-                drop_manifest(self._tmpdir)
-                model = self._models.install(artifact, model_hash)
-            except BaseException:
-                dataset.close(timeout_s=self.settings.stop_join_timeout_s)
-                raise
-        return model, dataset, staged, artifact
 
     def _dataset(self, tenant: str, descriptors: list[ShardDescriptor]) -> ShardSession:
         return ShardSession(

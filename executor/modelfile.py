@@ -21,7 +21,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from executor import artifacts, transfer
-from executor.delta import apply_sync_delta, file_state_hash, max_delta_bytes, zstd_bound
+from executor.delta import (
+    DEFAULT_SCHEME,
+    StreamStateHash,
+    apply_sync_delta,
+    file_state_hash,
+    max_delta_bytes,
+    scheme_of,
+    zstd_bound,
+)
 from executor.errors import HashMismatch, Stopped, error_info
 from executor.fileio import MIB, TEMP_SUFFIX, remove_quietly
 from executor.results import ApplyVia
@@ -152,25 +160,49 @@ class ModelFiles:
             shutil.rmtree(staging, ignore_errors=True)
 
     def fetch(self, model_url: str, what: str, dest_dir: str) -> artifacts.ModelArtifact:
-        """Download a model and turn it into the canonical file in ``dest_dir``.
+        """Download a model and turn it into the canonical file in ``dest_dir``."""
+        return self.fetch_hashed(model_url, what, dest_dir)[0]
+
+    def fetch_hashed(
+        self,
+        model_url: str,
+        what: str,
+        dest_dir: str,
+        *,
+        scheme: str = DEFAULT_SCHEME,
+        abort: threading.Event | None = None,
+        on_head: Callable[[bytes], None] | None = None,
+    ) -> tuple[artifacts.ModelArtifact, str]:
+        """Download a model, turn it into the canonical file in ``dest_dir``, and hash it.
 
         The body is capped at ``max_model_bytes`` and a safetensors header is checked from
         its first bytes (``artifacts.model_head``), so an endless body or a header that
-        promises more than the cap is refused before the rest is written.
+        promises more than the cap is refused before the rest is written; ``on_head`` then
+        sees those bytes. The state hash (in ``scheme``) follows the bytes as they land when
+        the file is safetensors with its tensors in key order (``delta.StreamStateHash``);
+        any other file is hashed once it is canonical. ``abort`` replaces the stop signal.
         """
         suffix = artifacts.model_suffix(model_url)
         download = os.path.join(self.incoming, what + suffix)
-        transfer.fetch(
+        head_bytes, check_head = artifacts.model_head(suffix, self._max_model_bytes)
+
+        def head(first: bytes) -> None:
+            check_head(first)
+            if on_head is not None:
+                on_head(first)
+
+        fetched = transfer.fetch(
             model_url,
             download,
             config=self._transfer,
-            abort=self._abort,
+            abort=self._abort if abort is None else abort,
             max_bytes=self._max_model_bytes,
-            head=artifacts.model_head(suffix, self._max_model_bytes),
+            head=(head_bytes, head),
             progress=self._progress(what) if self._progress else None,
+            follow=lambda: StreamStateHash(scheme),
         )
         try:
-            return artifacts.prepare_model_artifact(
+            artifact = artifacts.prepare_model_artifact(
                 download,
                 dest_dir,
                 max_bundle_bytes=self._bundle_max_bytes,
@@ -179,6 +211,9 @@ class ModelFiles:
         finally:
             if os.path.exists(download):
                 os.unlink(download)
+        # A safetensors download is the canonical file byte for byte (moved, not rewritten).
+        followed = fetched.followed if artifact.source_format == artifacts.SAFETENSORS else None
+        return artifact, followed or file_state_hash(artifact.model_path, scheme=scheme)
 
     @property
     def model_dir(self) -> str:
@@ -186,9 +221,14 @@ class ModelFiles:
         os.makedirs(path, mode=0o755, exist_ok=True)
         return path
 
+    @property
+    def model_path(self) -> str:
+        """Where the installed model file is (or will be)."""
+        return os.path.join(self.model_dir, artifacts.MODEL_FILENAME)
+
     def install(self, artifact: artifacts.ModelArtifact, model_hash: str) -> InstalledModel:
         """Move a staged model (and its bundle) into the model dir; each move is atomic."""
-        target = os.path.join(self.model_dir, artifacts.MODEL_FILENAME)
+        target = self.model_path
         _readable(artifact.model_path, artifact.bundle_root)
         os.replace(artifact.model_path, target)
         bundle_root = os.path.join(self.model_dir, artifacts.BUNDLE_DIRNAME)
@@ -217,7 +257,10 @@ class ModelFiles:
         except OSError:
             return None
         # Replaced since it was recorded: an apply that crashed late.
-        model_hash = recorded_hash if list(fingerprint) == list(recorded) else file_state_hash(path)
+        if list(fingerprint) == list(recorded):
+            model_hash = recorded_hash
+        else:
+            model_hash = file_state_hash(path, scheme=scheme_of(recorded_hash, DEFAULT_SCHEME))
         bundle_root = os.path.join(self.model_dir, artifacts.BUNDLE_DIRNAME)
         return InstalledModel(
             path,
@@ -227,11 +270,15 @@ class ModelFiles:
             fingerprint,
         )
 
-    def download(self, model_url: str, what: str, *, expect_hash: str | None = None) -> InstalledModel:
-        """Fetch, check and install a whole model; ``expect_hash`` must match when given."""
+    def download(
+        self, model_url: str, what: str, *, expect_hash: str | None = None, scheme: str = DEFAULT_SCHEME
+    ) -> InstalledModel:
+        """Fetch, check and install a whole model; ``expect_hash`` must match when given (its
+        prefix names the scheme; without one the model is hashed in ``scheme``)."""
+        if expect_hash:
+            scheme = scheme_of(expect_hash, scheme)
         with self.staging() as staging:
-            artifact = self.fetch(model_url, what, staging)
-            model_hash = file_state_hash(artifact.model_path)
+            artifact, model_hash = self.fetch_hashed(model_url, what, staging, scheme=scheme)
             if expect_hash and model_hash != expect_hash:
                 raise HashMismatch(
                     "the full model does not match result_hash; the local model is unchanged",
@@ -261,18 +308,25 @@ class ModelFiles:
             if current is None:
                 reason = "no local base model"
             else:
+                # The hash we hold counts only in the scheme the orchestrator names (sha256 or
+                # blake3) and while the file is the one it was computed for.
+                same_scheme = scheme_of(current.model_hash, DEFAULT_SCHEME) == scheme_of(
+                    base_hash, DEFAULT_SCHEME
+                )
                 reason = self.apply_sync(
                     current.path,
                     delta_url,
                     base_hash=base_hash,
                     result_hash=result_hash,
-                    known_hash=current.model_hash if current.file_unchanged() else None,
+                    known_hash=current.model_hash if same_scheme and current.file_unchanged() else None,
                 )
         if reason is None and current is not None and result_hash:
             model = replace(current, model_hash=result_hash, fingerprint=model_fingerprint(current.path))
             return Synced(ApplyVia.DELTA, model, None)
         logger.warning("sync: %s; downloading the full model", reason)
-        return Synced(ApplyVia.FULL, self.download(model_url, "model-full", expect_hash=result_hash), reason)
+        scheme = scheme_of(current.model_hash, DEFAULT_SCHEME) if current is not None else DEFAULT_SCHEME
+        full = self.download(model_url, "model-full", expect_hash=result_hash, scheme=scheme)
+        return Synced(ApplyVia.FULL, full, reason)
 
     def apply_sync(
         self, model_path: str, delta_url: str, *, base_hash: str, result_hash: str, known_hash: str | None

@@ -15,6 +15,7 @@ bundle) → ``_extract`` (safe extraction of a hostile zip, bounded JSON).
 from executor.artifacts._formats import (
     BUNDLE_DIRNAME,
     MODEL_FILENAME,
+    SAFETENSORS,
     ModelArtifact,
     detect_format,
     load_state_file,
@@ -27,6 +28,7 @@ from executor.artifacts._materialize import checkpoint_state, materialize_model
 __all__ = [
     "BUNDLE_DIRNAME",
     "MODEL_FILENAME",
+    "SAFETENSORS",
     "ModelArtifact",
     "checkpoint_state",
     "detect_format",

@@ -10,11 +10,20 @@ before it starts (DESIGN §11): ``max_delta_bytes`` of the model a delta belongs
 Inside, data flows down: ``_apply`` (the streaming apply) and ``_wire`` (the zstd
 safetensors format, the trained delta) → ``_decode`` (decoding within a cap: the bound,
 the capped zstd stream, the apply's delta source, the seed's torch dicts) → ``_sync``
-(the state hash, the apply rule, ``SyncDelta``).
+(the state hash, the apply rule, ``SyncDelta``) → ``_schemes`` (the hash schemes,
+``sha256:`` and ``blake3:``, and the state hash of a safetensors stream as it arrives).
 """
 
 from executor.delta._apply import apply_sync_delta
 from executor.delta._decode import max_delta_bytes, zstd_bound
+from executor.delta._schemes import (
+    DEFAULT_SCHEME,
+    SCHEMES,
+    StreamStateHash,
+    check_scheme,
+    new_hasher,
+    scheme_of,
+)
 from executor.delta._sync import (
     SyncDelta,
     apply_sync_delta_state,
@@ -25,13 +34,19 @@ from executor.delta._sync import (
 from executor.delta._wire import read_delta, write_delta, write_result_delta
 
 __all__ = [
+    "DEFAULT_SCHEME",
+    "SCHEMES",
+    "StreamStateHash",
     "SyncDelta",
     "apply_sync_delta",
     "apply_sync_delta_state",
+    "check_scheme",
     "file_state_hash",
     "make_sync_delta",
     "max_delta_bytes",
+    "new_hasher",
     "read_delta",
+    "scheme_of",
     "state_hash",
     "write_delta",
     "write_result_delta",

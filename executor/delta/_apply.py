@@ -10,7 +10,6 @@ replaced atomically, and only when both hashes hold.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 import time
@@ -22,8 +21,8 @@ from typing import IO, Any
 import torch
 
 from executor.delta._decode import DeltaSource, max_delta_bytes
+from executor.delta._schemes import SHA256, hash_prefix, new_hasher, scheme_of
 from executor.delta._sync import (
-    HASH_PREFIX,
     apply_rule,
     check_delta_specs,
     hash_entry_header,
@@ -167,8 +166,9 @@ def apply_sync_delta(
         )
         names = sorted(header.specs)
         entries = [(n, result_dtype(header.specs[n].dtype), header.specs[n].shape) for n in names]
-        base_hasher = hashlib.sha256() if known_base_hash is None else None
-        result_hasher = hashlib.sha256()
+        # Each hash in the scheme its prefix names (the session's: sha256 or blake3).
+        base_hasher = new_hasher(scheme_of(base_hash, SHA256)) if known_base_hash is None else None
+        result_hasher = new_hasher(scheme_of(result_hash, SHA256))
         with atomic_writer(model_path) as out:
             # The new file takes the old one's mode (a sandboxed runner reads it as another uid).
             os.fchmod(out.fileno(), os.fstat(base_file.fileno()).st_mode & 0o777)
@@ -188,8 +188,8 @@ def apply_sync_delta(
                 pipeline.close(cancel=True)
                 raise
             pipeline.close(cancel=False)
-            got_base = HASH_PREFIX + base_hasher.hexdigest() if base_hasher is not None else base_hash
-            got_result = HASH_PREFIX + result_hasher.hexdigest()
+            got_base = _named(base_hasher, base_hash) if base_hasher is not None else base_hash
+            got_result = _named(result_hasher, result_hash)
             if got_base != base_hash:
                 raise HashMismatch(
                     "local model is not the delta's base", {"expected": base_hash, "local": got_base}
@@ -201,6 +201,11 @@ def apply_sync_delta(
                 )
         size = os.path.getsize(model_path)
     return ApplyResult(result_hash, len(names), len(source.specs), size, time.monotonic() - started)
+
+
+def _named(hasher: Any, like: str) -> str:
+    """A hasher's digest with the prefix of the scheme that ``like`` names."""
+    return hash_prefix(scheme_of(like, SHA256)) + hasher.hexdigest()
 
 
 def _preallocate(out: IO[bytes], nbytes: int) -> None:

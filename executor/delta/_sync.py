@@ -10,17 +10,15 @@ element, no scale, no fused ops. Both sides prove it with :func:`state_hash` (or
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from executor.delta._schemes import DEFAULT_SCHEME, hash_entry_header, hash_prefix, new_hasher
 from executor.errors import HashMismatch
-from executor.tensorfile import dtype_name, read_header, read_into, tensor_bytes
+from executor.tensorfile import read_header, read_into, tensor_bytes
 
 if sys.byteorder != "little":  # pragma: no cover - the hash is defined on little-endian bytes
     raise ImportError("Roundhouse's state hash needs a little-endian host")
@@ -33,20 +31,10 @@ SLICE_BYTES = 16 * 1024 * 1024
 # ---------------------------------------------------------------- hashing
 
 
-def hash_entry_header(hasher: Any, name: str, dtype: torch.dtype, shape: Iterable[int]) -> None:
-    dims = [int(d) for d in shape]
-    key = name.encode("utf-8")
-    kind = dtype_name(dtype).encode("ascii")
-    hasher.update(
-        struct.pack(
-            f"<I{len(key)}sI{len(kind)}sI{len(dims)}Q", len(key), key, len(kind), kind, len(dims), *dims
-        )
-    )
-
-
-def state_hash(state: Mapping[str, torch.Tensor]) -> str:
-    """``"sha256:" + hex`` over the keys in sorted order (DESIGN §4 spells out the bytes)."""
-    hasher = hashlib.sha256()
+def state_hash(state: Mapping[str, torch.Tensor], *, scheme: str = DEFAULT_SCHEME) -> str:
+    """``"sha256:" + hex`` over the keys in sorted order (DESIGN §4 spells out the bytes);
+    ``scheme="blake3"``: the same bytes through BLAKE3, ``"blake3:" + hex``."""
+    hasher = new_hasher(scheme)
     for name in sorted(state):
         tensor = state[name].detach()
         if tensor.device.type != "cpu":
@@ -54,12 +42,12 @@ def state_hash(state: Mapping[str, torch.Tensor]) -> str:
         tensor = tensor.contiguous()
         hash_entry_header(hasher, name, tensor.dtype, tensor.shape)
         hasher.update(tensor_bytes(tensor))
-    return HASH_PREFIX + hasher.hexdigest()
+    return hash_prefix(scheme) + hasher.hexdigest()
 
 
-def file_state_hash(path: str) -> str:
+def file_state_hash(path: str, *, scheme: str = DEFAULT_SCHEME) -> str:
     """``state_hash`` of a safetensors file, read in slices (the file's bytes are the tensors' bytes)."""
-    hasher = hashlib.sha256()
+    hasher = new_hasher(scheme)
     buffer = bytearray(SLICE_BYTES)
     view = memoryview(buffer)
     with open(path, "rb") as file:
@@ -75,7 +63,7 @@ def file_state_hash(path: str) -> str:
                 hasher.update(view[:step])
                 offset += step
                 remaining -= step
-    return HASH_PREFIX + hasher.hexdigest()
+    return hash_prefix(scheme) + hasher.hexdigest()
 
 
 # ---------------------------------------------------------------- the apply rule
@@ -113,8 +101,11 @@ def make_sync_delta(
     base_state: Mapping[str, torch.Tensor],
     new_state: Mapping[str, torch.Tensor],
     dtype: torch.dtype = torch.float16,
+    *,
+    scheme: str = DEFAULT_SCHEME,
 ) -> SyncDelta:
-    """The sync delta from ``base_state`` towards ``new_state``, cast to ``dtype``.
+    """The sync delta from ``base_state`` towards ``new_state``, cast to ``dtype``; its two
+    hashes in ``scheme`` (the session's, ``sha256`` unless the orchestrator chose ``blake3``).
 
     ``result`` is not ``new_state``: it is ``base + cast(delta)`` in fp32, which is what
     a worker will compute, so it is what the full-download fallback must serve.
@@ -135,7 +126,7 @@ def make_sync_delta(
                 raise ValueError(f"shape of {name!r} changed: {tuple(base.shape)} -> {tuple(new.shape)}")
             delta[name] = (new.to(torch.float32) - base.to(torch.float32)).to(dtype).contiguous()
         result[name] = apply_rule(base, delta.get(name))
-    return SyncDelta(delta, state_hash(base_state), state_hash(result), result)
+    return SyncDelta(delta, state_hash(base_state, scheme=scheme), state_hash(result, scheme=scheme), result)
 
 
 def apply_sync_delta_state(

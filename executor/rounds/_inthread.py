@@ -45,6 +45,11 @@ class InThreadRunner:
         self._emit_log = emit_log
         self._session: RoundSession | None = None
 
+    def prepare(
+        self, code: str, model_path: str, model_bytes: int, *, abort: threading.Event | None = None
+    ) -> None:
+        pass  # nothing starts: tenant code runs on the executor's own thread
+
     def open(self, session: RoundSession, *, warm: bool) -> None:
         # Nothing to warm: torch and the CUDA context live in this process already.
         self._session = session

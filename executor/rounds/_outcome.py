@@ -79,12 +79,21 @@ class RoundSession(Protocol):
 class RoundRunner(Protocol):
     """Where tenant code runs: in a thread of the worker, or in the sandboxed runner.
 
-    The Executor drives either through these five calls and nothing else.
+    The Executor drives either through these calls and nothing else.
     """
 
     @property
     def mode(self) -> str:
         """``off`` (in-thread), ``bwrap`` or ``unshare``."""
+        ...
+
+    def prepare(
+        self, code: str, model_path: str, model_bytes: int, *, abort: threading.Event | None = None
+    ) -> None:
+        """A session is about to begin: start what will run its tenant code now, while its
+        model (a safetensors file of ``model_bytes``, at ``model_path``) is still arriving.
+        The previous session's runner ends. ``open`` adopts what this started when the
+        session matches; ``close`` (or ``abort`` set beforehand) calls it off."""
         ...
 
     def open(self, session: RoundSession, *, warm: bool) -> None:

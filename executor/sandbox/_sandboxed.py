@@ -62,6 +62,8 @@ class SandboxedRunner:
         self._emit_stats = emit_stats
         self._session: RoundSession | None = None
         self._supervisor: Supervisor | None = None
+        # What a runner started by ``prepare`` was started with: (code, model path, file limit).
+        self._prepared: tuple[str, str, int] | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -106,13 +108,42 @@ class SandboxedRunner:
             serve_shard=self._serve_shard,
         )
 
-    def open(self, session: RoundSession, *, warm: bool) -> None:
-        """A fresh runner for ``session`` (the previous one, if any, is ended first); warm: now,
-        so torch and CUDA load at ``load_model`` and not in round 1; else with the first round."""
+    def prepare(
+        self, code: str, model_path: str, model_bytes: int, *, abort: threading.Event | None = None
+    ) -> None:
+        """Start the next session's runner now (``load_model`` does while the model arrives:
+        ``import torch`` and the CUDA context take seconds); the current one ends first. The
+        runner reads nothing of the model before its first round, and ``/model`` is a bind of
+        the model dir, where the new file appears by ``os.replace``."""
         self.close()
+        limit = self._file_limit(model_bytes)
+        with self._lock:
+            if abort is not None and abort.is_set():
+                return  # called off before it began: close() may already have run
+            supervisor = self._supervisor = self._supervisor_for_session()
+            self._prepared = (code, model_path, limit)
+        # Outside the lock: close() from another thread kills the runner while it starts.
+        supervisor.start(model_path, None, code, limit)
+
+    def open(self, session: RoundSession, *, warm: bool) -> None:
+        """A fresh runner for ``session`` (the previous one, if any, is ended first), or the one
+        ``prepare`` started for it; warm: now, so torch and CUDA load at ``load_model`` and not
+        in round 1; else with the first round."""
+        with self._lock:
+            supervisor, prepared, self._prepared = self._supervisor, self._prepared, None
+        key = (session.code, session.model_path, self._file_limit(os.path.getsize(session.model_path)))
+        adopt = supervisor is not None and supervisor.alive and prepared == key
+        if not adopt or session.bundle_root is not None:
+            self.close()
         self._session = session
         if warm:
             self._ensure()
+
+    def _file_limit(self, model_bytes: int) -> int:
+        limit = result_limit(model_bytes)
+        if self.config.disk_bytes:
+            limit = min(limit, self.config.disk_bytes)  # no single file beyond the dir's quota
+        return limit
 
     def _ensure(self) -> Supervisor:
         session = self._session
@@ -125,9 +156,7 @@ class SandboxedRunner:
                 self._supervisor.close()
             shutil.rmtree(self.paths.task, ignore_errors=True)
             supervisor = self._supervisor_for_session()
-            limit = result_limit(os.path.getsize(session.model_path))
-            if self.config.disk_bytes:
-                limit = min(limit, self.config.disk_bytes)  # no single file beyond the dir's quota
+            limit = self._file_limit(os.path.getsize(session.model_path))
             supervisor.start(session.model_path, session.bundle_root, session.code, limit)
             self._supervisor = supervisor
             return supervisor
@@ -199,6 +228,7 @@ class SandboxedRunner:
             if self._supervisor is not None:
                 self._supervisor.close()
                 self._supervisor = None
+            self._prepared = None
         self._session = None
         shutil.rmtree(os.path.dirname(self.paths.task), ignore_errors=True)
 

@@ -87,6 +87,7 @@ class Supervisor:
         self._confinement: Confinement | None = None
         self._keep: set[int] = set()  # the sandbox's processes at "ready": bwrap, its init, the runner
         self._round_open = False
+        self._closed = False  # close() came, maybe from another thread while start() ran
         self.quota_bytes = config.disk_bytes or MIN_RESULT_BYTES
 
     # ------------------------------------------------------------ lifecycle
@@ -105,9 +106,15 @@ class Supervisor:
             file.write(code)
         os.chmod(os.path.join(self.paths.ro, "code.py"), 0o644)
         self.quota_bytes = self.config.disk_bytes or file_bytes + RESULT_OVERHEAD_BYTES
-        self._confinement = self._confine("runner")
-        process = self._process = self._launch(self._confinement, file_bytes)
-        self._confinement.started(process.pid)
+        confinement = self._confinement = self._confine("runner")
+        process = self._process = self._launch(confinement, file_bytes)
+        if self._closed:  # closed while it launched: close() may not have seen this process
+            confinement.kill(keep=set())
+            confinement.thaw()
+            process.kill("closed")
+            confinement.close()
+            raise SandboxRunnerError("sandboxed runner was closed while it started")
+        confinement.started(process.pid)
         process.send(
             {
                 "op": "init",
@@ -128,14 +135,10 @@ class Supervisor:
             )
         process.close_round()
         # Before any tenant code ran: what is here now is the sandbox itself; all else is a stray.
-        self._keep = self._confinement.pids()
-        self._confinement.freeze()
-        logger.info(
-            "sandboxed runner ready (%s, %s) in %.1fs",
-            self.mode,
-            self._confinement.kind,
-            time.monotonic() - started,
-        )
+        self._keep = confinement.pids()
+        confinement.freeze()
+        seconds = time.monotonic() - started
+        logger.info("sandboxed runner ready (%s, %s) in %.1fs", self.mode, confinement.kind, seconds)
 
     def _launch(self, confinement: Confinement, file_bytes: int) -> RunnerProcess:
         with self._argv(confinement, file_bytes, RUNNER_PROGRAM) as (argv, fds):
@@ -218,6 +221,7 @@ class Supervisor:
             process.kill(reason)
 
     def close(self) -> None:
+        self._closed = True
         self.kill("closed")
         if self._confinement is not None:
             self._confinement.close()

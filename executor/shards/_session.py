@@ -81,11 +81,12 @@ class ShardSession:
     def next_index(self, index: int) -> int:
         return (index + 1) % self.num_shards
 
-    def path(self, index: int, *, prefetch: bool = True) -> str:
-        """The shard's file on disk, pinned with its successor; starts the prefetch of the next."""
+    def path(self, index: int, *, prefetch: bool = True, abort: threading.Event | None = None) -> str:
+        """The shard's file on disk, pinned with its successor; starts the prefetch of the next.
+        ``abort`` replaces the session's stop signal for this one download."""
         index = self.check_index(index)
         self._current = index
-        pin = self._ensure(index)
+        pin = self._ensure(index, abort)
         keep = self._wanted()
         with self._lock:
             dropped = [(i, self._pins.pop(i)) for i in list(self._pins) if i not in keep]
@@ -117,18 +118,19 @@ class ShardSession:
         current = self._current
         return set() if current is None else {current, self.next_index(current)}
 
-    def _ensure(self, index: int) -> Pin:
+    def _ensure(self, index: int, abort: threading.Event | None = None) -> Pin:
         with self._lock:
             pin = self._pins.get(index)
         if pin is not None and not pin.released:
             return pin
         descriptor = self.descriptors[index]
+        abort = self._abort if abort is None else abort
         try:
             pin = self.cache.acquire(
                 self.tenant,
                 descriptor,
-                checked=self._checked(descriptor),
-                abort=self._abort,
+                checked=self._checked(descriptor, abort),
+                abort=abort,
                 progress=self._progress,
             )
         except BaseException:
@@ -144,7 +146,7 @@ class ShardSession:
             self._pins[index] = pin
         return pin
 
-    def _checked(self, descriptor: ShardDescriptor) -> Origin | None:
+    def _checked(self, descriptor: ShardDescriptor, abort: threading.Event) -> Origin | None:
         """The descriptor's check, made once per session: the prefetch and the reader may
         ask for one shard at the same moment, so the first to ask checks, the other waits."""
         with self._lock:
@@ -152,13 +154,13 @@ class ShardSession:
                 return self._origins[descriptor]
             gate = self._checking.setdefault(descriptor, threading.Lock())
         while not gate.acquire(timeout=0.05):
-            if self._abort.is_set():
+            if abort.is_set():
                 raise Stopped("stopped while another thread checks a shard's URL")
         try:
             with self._lock:
                 if descriptor in self._origins:
                     return self._origins[descriptor]
-            origin = self.cache.check(self.tenant, descriptor, abort=self._abort)
+            origin = self.cache.check(self.tenant, descriptor, abort=abort)
             with self._lock:
                 self._origins[descriptor] = origin
             return origin
@@ -232,10 +234,17 @@ class ShardSession:
             self._checking = {d: g for d, g in self._checking.items() if d in kept}
         self.descriptors = list(descriptors)
 
-    def stage(self, index: int) -> int:
-        """Pin (download) one shard at load time and prefetch its successor."""
-        self.path(index)
+    def stage(self, index: int, *, abort: threading.Event | None = None, prefetch: bool = True) -> int:
+        """Pin (download) one shard at load time and (``prefetch``) start its successor's
+        download; ``abort`` stops this one download instead of the session's stop signal
+        (``load_model`` stages beside the model download and calls it off when that fails)."""
+        self.path(index, prefetch=prefetch, abort=abort)
         return index
+
+    def prefetch_after(self, index: int) -> None:
+        """Start the prefetch of the shard after ``index`` (after a ``stage(prefetch=False)``)."""
+        if self._retain and self.num_shards > 1:
+            self._start_prefetch(self.next_index(index))
 
     def wait_prefetch(self, timeout_s: float | None = None) -> bool:
         thread = self._prefetch

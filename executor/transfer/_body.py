@@ -58,10 +58,12 @@ def copy_body(
     cancel: Cancel,
     on_written: Callable[[int], None],
     floor: SpeedFloor | None = None,
+    deadline: float | None = None,
 ) -> int:
-    """Copy the body to ``fd`` at its file offsets, from ``pos`` up to ``end`` (None: EOF).
+    """Copy the body to ``fd`` at its file offsets, from ``pos`` up to ``end`` (None: EOF), or
+    until the ``time.monotonic()`` ``deadline`` has passed.
 
-    ``body_offset`` is the file offset of the body's first byte; bytes before ``pos``
+    ``body_offset`` is the file offset of the body's next unread byte; bytes before ``pos``
     (a 200 answer to a ranged request) are read and dropped. Returns the new ``pos``.
     """
     readinto1 = body_reader(response)
@@ -85,6 +87,8 @@ def copy_body(
         on_written(count)
         if floor is not None:
             floor.add(count)
+        if deadline is not None and time.monotonic() >= deadline:
+            break
     return pos
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from executor.fileio import MIB
 from executor.transfer._policy import UrlPolicy
@@ -22,6 +22,19 @@ Progress = Callable[[int, int | None], None]
 # fetch(head=(n_bytes, check)): check(the first n_bytes) before the rest is written; it
 # raises a RoundhouseError to refuse the download.
 Head = tuple[int, Callable[[bytes], None]]
+
+
+class Digest(Protocol):
+    """What follows a download's bytes in order, from byte 0 (hashlib's objects are ones): its
+    ``hexdigest`` may be None when the bytes did not make a digest (a state hash of a file
+    whose tensors are out of key order)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+    def hexdigest(self) -> str | None: ...
+
+
+# fetch(follow=...): a fresh Digest (made again when the file is truncated and rewritten).
+DigestFactory = Callable[[], Digest]
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,9 @@ class FetchResult:
     resumed_bytes: int  # already on disk from an earlier attempt or process
     connections: int  # HTTP streams used; 0 for a local copy
     sha256: str | None  # hex digest, only when it was checked
+    # fetch(follow=...)'s digest of every byte as it landed; None when it made none (a local
+    # copy, a resumed split download, a digest that declined): the caller reads the file then.
+    followed: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -13,7 +13,7 @@ import time
 import executor.transfer._local as _local
 from executor.errors import DownloadFailed, HashMismatch, StorageFull, map_exceptions
 from executor.transfer._cancel import Cancel, track_response, tracking
-from executor.transfer._config import FetchResult, Head, Progress, RemoteInfo, TransferConfig
+from executor.transfer._config import DigestFactory, FetchResult, Head, Progress, RemoteInfo, TransferConfig
 from executor.transfer._http import (
     Refused,
     announced_total,
@@ -42,6 +42,7 @@ def fetch(
     max_bytes: int | None = None,
     head: Head | None = None,
     progress: Progress | None = None,
+    follow: DigestFactory | None = None,
 ) -> FetchResult:
     """Download ``url`` (http(s)://, or file:// under a file root) to ``dest``, verified, atomically.
 
@@ -55,6 +56,8 @@ def fetch(
     ``DownloadFailed`` (partial kept for a later resume, removed when over the cap; also
     for an address the policy refuses at connect time), the head check's error (partial
     removed), ``HashMismatch`` (partial removed), ``Stopped`` when ``abort`` is set.
+
+    ``follow`` makes a digest fed every byte in order as it lands: ``FetchResult.followed``.
     """
     started = time.monotonic()
     target = config.policy.target(url)
@@ -68,6 +71,7 @@ def fetch(
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     meter = ProgressMeter(progress)
     digest: str | None = None
+    followed: str | None = None
     try:
         with Cancel(abort, url) as cancel, map_exceptions({}, where=os.path.dirname(os.path.abspath(dest))):
             if isinstance(target, FilePath):
@@ -75,9 +79,10 @@ def fetch(
                 hashed = sha256 is not None
                 digest = _local.copy_local(target, dest, config, cancel, meter, limits, hashed=hashed)
             else:
-                resumed_bytes, connections, digest = download(
-                    url, dest, config, cancel, meter, size, limits, hashed=sha256 is not None
+                got = download(
+                    url, dest, config, cancel, meter, size, limits, hashed=sha256 is not None, follow=follow
                 )
+                resumed_bytes, connections, digest, followed = got
             limits.finish()
             total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
     except StorageFull:
@@ -94,7 +99,7 @@ def fetch(
                 discard(partial, sidecar_path)
         raise
     meter.finish()
-    return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked)
+    return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked, followed)
 
 
 def remote_size(url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int | None:

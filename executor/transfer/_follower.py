@@ -1,5 +1,6 @@
 """The sha256 of a file that is being written front to back, computed on a thread of its own
-just behind the writer.
+just behind the writer (and any other digest of its bytes in order: the model's state hash,
+``fetch(follow=...)``).
 
 A one-stream download with a sha256 to check used to hash the finished file in a second pass:
 1.2 s more for 2 GiB on a CPU that hashes at 1.8 GB/s, after a 0.75 s download. Following
@@ -13,27 +14,31 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Sequence
 from functools import partial
 
 from executor.fileio import MIB
 from executor.transfer._cancel import Cancel
+from executor.transfer._config import Digest, DigestFactory
 
 READ_BYTES = 1 * MIB  # L2-sized: read back, then hashed while still in cache
 TRUNCATE_GRACE_S = 0.5
 
 
 class HashFollower:
-    """``mark``/``add`` say how much of the file is final; ``result`` is its digest."""
+    """``mark``/``add`` say how much of the file is final; ``result`` is its digest (the first
+    of ``digests``: sha256 unless told), ``results`` every one."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, digests: Sequence[DigestFactory] = (hashlib.sha256,)) -> None:
         self._path = path
+        self._factories = tuple(digests)
         self._cond = threading.Condition()
         self._upto = 0  # bytes [0, upto) of the file are final
         self._generation = 0  # bumped when the file is cut back below ``upto``: hash again
         self._hashed = (0, 0)  # (generation, bytes) the thread has hashed, published
         self._stopped = False
         self._failed = False
-        self._digest = hashlib.sha256()  # the thread's own; read only once it is idle
+        self._digests: list[Digest] = [make() for make in self._factories]  # the thread's own
         self._thread = threading.Thread(target=self._run, name="hash-follower", daemon=True)
         self._thread.start()
 
@@ -54,12 +59,18 @@ class HashFollower:
     def result(self, size: int, cancel: Cancel) -> str | None:
         """The hex digest of the file's ``size`` bytes, once hashed; None when the follower did
         not see every one of them written (the caller then hashes the file itself)."""
+        found = self.results(size, cancel)
+        return found[0] if found is not None else None
+
+    def results(self, size: int, cancel: Cancel) -> list[str | None] | None:
+        """Every digest's hex value (each None where that digest could not make one), or None
+        when the follower did not see all ``size`` bytes written."""
         with self._cond:
             while True:
                 if self._failed or self._stopped or self._upto != size:
                     return None
                 if self._hashed == (self._generation, size):
-                    return self._digest.hexdigest()
+                    return [digest.hexdigest() for digest in self._digests]
                 cancel.check()
                 self._cond.wait(0.1)
 
@@ -84,7 +95,7 @@ class HashFollower:
                             return
                         if self._generation != generation:
                             generation, done = self._generation, 0
-                            self._digest = hashlib.sha256()
+                            self._digests = [make() for make in self._factories]
                         if done < self._upto:
                             break
                         self._cond.wait()
@@ -103,7 +114,8 @@ class HashFollower:
                     stale = self._generation != generation
                 if stale:
                     continue  # truncated meanwhile: those bytes may be the old file's
-                self._digest.update(view[:count])
+                for digest in self._digests:
+                    digest.update(view[:count])
                 done += count
                 with self._cond:
                     self._hashed = (generation, done)

@@ -1,8 +1,15 @@
-"""Parallel ranged download: one file, N contiguous segments, one connection and one thread each.
+"""Parallel ranged download: one file, contiguous segments, N connections (one thread each)
+taking the segments in file order.
 
 Every segment retries on its own and resumes with ``Range: bytes=<done>-<end>``; the
 sidecar records each segment's progress, so a crashed download resumes segment-wise.
 The partial file is preallocated so that segments can ``pwrite`` at their offsets.
+
+A large file is cut into more segments than connections (at most ``SEGMENT_MAX_BYTES``
+each), and each connection takes the next one when it is done. So the part of the file
+written without a gap grows steadily from the front, about N segments behind the newest
+bytes, and a hash follower (:mod:`._follower`) can hash it as it lands instead of after
+the last segment; with N segments of a 1/N each, the front is complete only at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from executor.fileio import MIB
 from executor.transfer._body import SpeedFloor, copy_body
 from executor.transfer._cancel import Cancel, HaltedError, track_response, tracking
 from executor.transfer._config import TransferConfig
+from executor.transfer._follower import HashFollower
 from executor.transfer._http import (
     SourceChangedError,
     TransientError,
@@ -32,9 +40,13 @@ from executor.transfer._http import (
 from executor.transfer._limits import Limits
 from executor.transfer._partial import ProgressMeter, Sidecar
 from executor.transfer._session import new_session
-from executor.transfer._urls import redact_url
+from executor.transfer._urls import redact_url, url_host
 
 SEGMENT_ALIGN_BYTES = 64 * 1024
+# One request's worth per connection at a time: at 12 MB/s (a per-connection cap) 32 MiB is
+# about 3 s, so a request's round trip costs little, and N connections run N * 32 MiB ahead
+# of the gapless front that the hash follows.
+SEGMENT_MAX_BYTES = 32 * 1024 * 1024
 # A crash loses at most this much progress per segment, and the sidecar is not
 # rewritten after every read.
 RECORD_EVERY_BYTES = 4 * MIB
@@ -43,9 +55,10 @@ SUPERVISOR_POLL_S = 0.05
 
 
 def plan_segments(total_bytes: int, connections: int) -> list[list[int]]:
-    """Split ``[0, total_bytes)`` into at most ``connections`` aligned ``[start, end, 0]`` segments."""
+    """Split ``[0, total_bytes)`` into aligned ``[start, end, 0]`` segments: ``connections`` of
+    them, or segments of ``SEGMENT_MAX_BYTES`` when those would be larger."""
     count = max(1, min(connections, -(-total_bytes // SEGMENT_ALIGN_BYTES)))
-    size = -(-total_bytes // count)
+    size = min(-(-total_bytes // count), SEGMENT_MAX_BYTES)
     size = -(-size // SEGMENT_ALIGN_BYTES) * SEGMENT_ALIGN_BYTES
     return [[start, min(start + size, total_bytes), 0] for start in range(0, total_bytes, size)]
 
@@ -79,6 +92,7 @@ class RangedDownload:
         abort: threading.Event | None,
         meter: ProgressMeter,
         limits: Limits,
+        follower: HashFollower | None = None,
     ) -> None:
         if sidecar.segments is None or sidecar.total is None:
             raise ValueError("a ranged download needs a total size and planned segments")
@@ -91,8 +105,12 @@ class RangedDownload:
         self.abort = abort
         self.meter = meter
         self.limits = limits
+        self.follower = follower
         self._lock = threading.Lock()
         self._recorded = [seg[2] for seg in self.segments]
+        self._front = 0  # every segment before this one is complete
+        # One session (its connection kept alive) and one buffer per connection thread.
+        self._sessions: dict[int, tuple[requests.Session, memoryview]] = {}
         self._first: requests.Response | None = None
         self._first_offset = 0
 
@@ -106,7 +124,7 @@ class RangedDownload:
         self._first = first
         self._first_offset = first_offset
         self.meter.reset(sum(seg[2] for seg in self.segments), self.sidecar.total)
-        self.limits.mark(self._prefix())
+        self._mark_prefix()
         todo = [i for i, (start, end, done) in enumerate(self.segments) if start + done < end]
         try:
             # Segments first, then the full size: a crash in between leaves a short file
@@ -127,20 +145,35 @@ class RangedDownload:
             if self._first is not None:
                 self._first.close()
         self._raise_first(errors)
+        if any(start + done < end for start, end, done in self.segments):
+            raise DownloadFailed(  # never a preallocated file with holes under the final name
+                f"download of {redact_url(self.url)} ended with segments missing",
+                {"url": redact_url(self.url), "host": url_host(self.url), "status": None},
+            )
         # The first response counts even when its probe already finished segment 0.
-        return len(todo) + (first is not None and 0 not in todo)
+        return min(len(todo), self._connections()) + (first is not None and 0 not in todo)
+
+    def _connections(self) -> int:
+        return max(1, self.config.parallel_connections)
 
     def _supervise(self, fd: int, todo: list[int]) -> list[BaseException]:
         with Cancel(self.abort, self.url) as cancel:
             cancel.watched = True  # this loop fires the cancel for a plain Event too
-            with ThreadPoolExecutor(len(todo), thread_name_prefix="roundhouse-segment") as pool:
-                futures = [pool.submit(self._segment, cancel, fd, index) for index in todo]
-                pending: set[Future[None]] = set(futures)
-                while pending:
-                    done, pending = wait(pending, timeout=SUPERVISOR_POLL_S, return_when=FIRST_EXCEPTION)
-                    if cancel.stopped() or any(f.exception() is not None for f in done):
-                        # Siblings of a failed segment stop too: their progress stays recorded.
-                        cancel.fire()
+            threads = min(len(todo), self._connections())
+            try:
+                with ThreadPoolExecutor(threads, thread_name_prefix="roundhouse-segment") as pool:
+                    # Submitted in file order: the pool's threads take them front to back.
+                    futures = [pool.submit(self._segment, cancel, fd, index) for index in todo]
+                    pending: set[Future[None]] = set(futures)
+                    while pending:
+                        done, pending = wait(pending, timeout=SUPERVISOR_POLL_S, return_when=FIRST_EXCEPTION)
+                        if cancel.stopped() or any(f.exception() is not None for f in done):
+                            # Siblings of a failed segment stop too: their progress stays recorded.
+                            cancel.fire()
+            finally:
+                for session, _buffer in self._sessions.values():
+                    session.close()
+                self._sessions.clear()
             stopped = cancel.stopped()
         errors = [exc for f in futures if (exc := f.exception()) is not None]
         if stopped and errors:
@@ -157,8 +190,12 @@ class RangedDownload:
                     raise exc
 
     def _segment(self, cancel: Cancel, fd: int, index: int) -> None:
-        buffer = memoryview(bytearray(self.config.buffer_bytes))
-        with new_session() as session, tracking(cancel.registry):
+        ident = threading.get_ident()
+        with self._lock:
+            if ident not in self._sessions:
+                self._sessions[ident] = (new_session(), memoryview(bytearray(self.config.buffer_bytes)))
+            session, buffer = self._sessions[ident]
+        with tracking(cancel.registry):
             run_attempts(
                 lambda attempt: self._attempt(session, cancel, fd, index, buffer),
                 url=self.url,
@@ -231,15 +268,25 @@ class RangedDownload:
             if segment[2] - self._recorded[index] >= RECORD_EVERY_BYTES:
                 self._recorded[index] = segment[2]
                 self.sidecar.save(self.sidecar_path)
-            if self.limits.head_pending:
-                self.limits.mark(self._prefix())
+            if index == self._front:
+                self._mark_prefix()
         self.meter.add(count)
+
+    def _mark_prefix(self) -> None:
+        """Tell the head check and the hash follower how much of the file is final."""
+        if self.limits.head_pending or self.follower is not None:
+            upto = self._prefix()
+            self.limits.mark(upto)
+            if self.follower is not None:
+                self.follower.mark(upto)
 
     def _prefix(self) -> int:
         """How many bytes from the start of the file are written without a gap."""
-        upto = 0
-        for start, end, done in self.segments:
-            upto = start + done
-            if upto < end:
+        segments = self.segments
+        while self._front < len(segments) - 1:
+            start, end, done = segments[self._front]
+            if start + done < end:
                 break
-        return upto
+            self._front += 1
+        start, _end, done = segments[self._front]
+        return start + done

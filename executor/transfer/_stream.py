@@ -16,10 +16,12 @@ split download is hashed in a second pass. So the first GET copies its first
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import requests
 
@@ -27,7 +29,7 @@ from executor.errors import DownloadFailed
 from executor.fileio import MIB
 from executor.transfer._body import SpeedFloor, copy_body
 from executor.transfer._cancel import Cancel, track_response, tracking
-from executor.transfer._config import TransferConfig
+from executor.transfer._config import DigestFactory, TransferConfig
 from executor.transfer._follower import HashFollower
 from executor.transfer._http import (
     RETRYABLE,
@@ -51,6 +53,18 @@ logger = logging.getLogger("executor.transfer")
 
 # Enough to leave TCP slow start behind on a fast path, small next to a parallel file.
 PROBE_BYTES = 16 * MIB
+# ...or what the first connection brings in this long, whichever comes first: a stream capped
+# at 12 MB/s (an object store's per-connection limit) needs 1.4 s for 16 MiB, time in which
+# eight connections would have fetched eight times as much; a nearby server sends 16 MiB in
+# a fraction of this.
+PROBE_S = 0.25
+
+
+class Downloaded(NamedTuple):
+    resumed_bytes: int
+    connections: int
+    sha256: str | None  # hashed while written (``hashed``), else None: the caller hashes
+    followed: str | None  # the ``follow`` digest of every byte, None when it made none
 
 
 def download(
@@ -62,11 +76,15 @@ def download(
     size: int | None,
     limits: Limits,
     hashed: bool = False,
-) -> tuple[int, int, str | None]:
-    """Fill the partial file; returns ``(resumed_bytes, connections, sha256)``. With ``hashed``,
-    a one-stream download is hashed as it is written (the sha256); otherwise, and after a
-    split into ranged segments, the sha256 is None and the caller hashes the file."""
+    follow: DigestFactory | None = None,
+) -> Downloaded:
+    """Fill the partial file. With ``hashed``, the bytes are hashed (sha256) as they land, and
+    with ``follow`` fed to that digest: just behind the writer of one stream, and behind the
+    gapless prefix of a split download (its segments are fetched in file order). A digest
+    that did not see every byte land (a download resumed from ranged segments) is None."""
     partial, sidecar_path = partial_paths(dest)
+    digests: list[DigestFactory] = [hashlib.sha256] if hashed else []
+    digests += [follow] if follow is not None else []
     for restarted in (False, True):
         sidecar = resumable(url, partial, sidecar_path, size)
         try:
@@ -84,8 +102,16 @@ def download(
                     meter=meter,
                     limits=limits,
                 )
-                return resumed_bytes, ranged.run(), None
-            return _Stream(url, dest, sidecar, config, cancel, meter, size, limits, hashed).run()
+                return Downloaded(resumed_bytes, ranged.run(), None, None)
+            stream = _Stream(url, dest, sidecar, config, cancel, meter, size, limits, digests)
+            resumed_bytes, connections, found = stream.run()
+            found = found or [None] * len(digests)
+            return Downloaded(
+                resumed_bytes,
+                connections,
+                found[0] if hashed else None,
+                found[-1] if follow is not None else None,
+            )
         except SourceChangedError:
             discard(partial, sidecar_path)
             if restarted:
@@ -120,11 +146,11 @@ class _Stream:
         meter: ProgressMeter,
         size: int | None,
         limits: Limits,
-        hashed: bool = False,
+        digests: list[DigestFactory],
     ) -> None:
         self.url = url
         self.limits = limits
-        self.hashed = hashed
+        self.digests = digests
         self.follower: HashFollower | None = None
         self.partial, self.sidecar_path = partial_paths(dest)
         self.sidecar = sidecar
@@ -136,36 +162,41 @@ class _Stream:
         self.buffer = memoryview(bytearray(config.buffer_bytes))
         self.resumed_bytes: int | None = None
 
-    def run(self) -> tuple[int, int, str | None]:
+    def run(self) -> tuple[int, int, list[str | None] | None]:
+        """``(resumed_bytes, connections, the digests' values or None)``."""
         flags = os.O_RDWR | os.O_CREAT | (0 if self.sidecar else os.O_TRUNC)
         fd = os.open(self.partial, flags, 0o644)
-        if self.hashed:
-            self.follower = HashFollower(self.partial)
+        if self.digests:
+            self.follower = HashFollower(self.partial, self.digests)
         try:
             with tracking(self.cancel.registry):
                 handover = run_attempts(
                     lambda attempt: self._attempt(fd), url=self.url, config=self.config, cancel=self.cancel
                 )
-            digest = None
-            if handover is None and self.follower is not None:
-                digest = self.follower.result(os.fstat(fd).st_size, self.cancel)
+            found = None
+            if handover is None:
+                if self.follower is not None:
+                    found = self.follower.results(os.fstat(fd).st_size, self.cancel)
+                return self.resumed_bytes or 0, 1, found
+            ranged = RangedDownload(
+                url=self.url,
+                partial=self.partial,
+                sidecar_path=self.sidecar_path,
+                sidecar=handover.sidecar,
+                config=self.config,
+                abort=self.cancel.abort,
+                meter=self.meter,
+                limits=self.limits,
+                follower=self.follower,
+            )
+            connections = ranged.run(first=handover.response, first_offset=handover.consumed)
+            if self.follower is not None:
+                found = self.follower.results(os.fstat(fd).st_size, self.cancel)
+            return 0, connections, found
         finally:
             os.close(fd)
             if self.follower is not None:
                 self.follower.close()
-        if handover is None:
-            return self.resumed_bytes or 0, 1, digest
-        ranged = RangedDownload(
-            url=self.url,
-            partial=self.partial,
-            sidecar_path=self.sidecar_path,
-            sidecar=handover.sidecar,
-            config=self.config,
-            abort=self.cancel.abort,
-            meter=self.meter,
-            limits=self.limits,
-        )
-        return 0, ranged.run(first=handover.response, first_offset=handover.consumed), None
 
     def _attempt(self, fd: int) -> _Handover | None:
         pos = os.fstat(fd).st_size if self.sidecar else 0
@@ -217,9 +248,6 @@ class _Stream:
                 self.sidecar.save(self.sidecar_path)  # a crash mid-probe resumes as one stream
                 pos, split = self._probe(fd, response, plan, floor)
                 if split:
-                    if self.follower is not None:
-                        self.follower.close()  # segments land out of order: hashed afterwards
-                        self.follower = None
                     plan[0][2] = pos
                     self.sidecar.segments = plan
                     return _Handover(response, self.sidecar, pos)
@@ -306,27 +334,34 @@ class _Stream:
     def _probe(
         self, fd: int, response: requests.Response, plan: list[list[int]], floor: SpeedFloor
     ) -> tuple[int, bool]:
-        """Copy and time the first bytes of segment 0: ``(bytes copied, split)``. A head to
-        check comes first in any case, so that it is checked before the segments start."""
+        """Copy and time the first bytes of segment 0 (``PROBE_BYTES`` or ``PROBE_S``, whichever
+        comes first): ``(bytes copied, split)``. A head to check comes first in any case, so
+        that it is checked before the segments start."""
         threshold = self.config.parallel_below_bytes_s
         end = min(PROBE_BYTES if threshold > 0 else self.limits.head_bytes, plan[0][1])
         if end <= 0:
             return 0, True
         self.meter.reset(0, plan[-1][1])
         started = time.monotonic()
-        got = copy_body(
-            response,
-            fd=fd,
-            pos=0,
-            end=end,
-            body_offset=0,
-            buffer=self.buffer,
-            cancel=self.cancel,
-            on_written=self._written,
-            floor=floor,
-        )
-        if got < end:
-            raise TransientError(f"body ended at byte {got} of {plan[-1][1]}")
+        deadline = started + PROBE_S
+        got = 0
+        for stop_at, until in ((min(self.limits.head_bytes, end), None), (end, deadline)):
+            if got >= stop_at:
+                continue
+            got = copy_body(
+                response,
+                fd=fd,
+                pos=got,
+                end=stop_at,
+                body_offset=got,  # the body's next byte lands at ``got``
+                buffer=self.buffer,
+                cancel=self.cancel,
+                on_written=self._written,
+                floor=floor,
+                deadline=until,
+            )
+            if got < stop_at and (until is None or time.monotonic() < until):
+                raise TransientError(f"body ended at byte {got} of {plan[-1][1]}")
         rate = got / max(time.monotonic() - started, 1e-9)
         logger.debug("%s: one stream at %.0f MB/s", redact_url(self.url), rate / 1e6)
         return got, threshold <= 0 or rate < threshold

@@ -34,8 +34,9 @@ RANKS = {
     "executor.sandbox": 6,
     "executor.modelfile": 7,
     "executor.session": 8,
-    "executor.core": 9,
-    "executor": 10,  # the package: errors and results eagerly, Executor lazily
+    "executor.loading": 9,
+    "executor.core": 10,
+    "executor": 11,  # the package: errors and results eagerly, Executor lazily
 }
 assert {f"executor.{name}" for name in GROUND_FLOOR} == {m for m, r in RANKS.items() if r <= 1}
 
