@@ -337,17 +337,17 @@ class Executor:
         delta_dtype: str = "float16",
     ) -> RoundResult:
         """``run`` + ``wait`` + ``finish_round``: one round, blocking, as the task runs it."""
-        dtype = parse_delta_dtype(delta_dtype)
+        parse_delta_dtype(delta_dtype)  # refused before the round runs
         self.run(steps, round_num, total_rounds, mode, step_offset)
         self.wait()
-        return self.finish_round(delta_url=delta_url, delta_dtype=str(dtype).removeprefix("torch."))
+        return self.finish_round(delta_url=delta_url, delta_dtype=delta_dtype)
 
     def finish_round(self, *, delta_url: str | None = None, delta_dtype: str = "float16") -> RoundResult:
         """The result of the round that just ended, with its trained delta written (and uploaded)."""
         if self.is_running():
             raise InvalidRequest("the round is still running")
         session = self._require_session()
-        dtype = parse_delta_dtype(delta_dtype)
+        dtype = parse_delta_dtype(delta_dtype, self.settings)
         trained, self.modified_state = self.modified_state, None
         ship = partial(
             ship_delta,
@@ -359,6 +359,7 @@ class Executor:
             delta_url=delta_url,
             transfer_config=self._transfer,
             abort=self._stop_event,
+            error_feedback=self.settings.quant_error_feedback,
         )
         outcome = self._outcome or RoundOutcome.failed(ErrorInfo(InvalidRequest.code, "no round has run"))
         result = round_result(

@@ -12,24 +12,37 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from executor.delta import DeltaFormat, ErrorFeedback, QuantScheme
 from executor.errors import InvalidRequest, RoundhouseError
 from executor.fileio import atomic_write_json, read_json
 from executor.modelfile import InstalledModel, ModelFiles
 from executor.rounds import RoundSpec, validate_script
 from executor.shards import ShardDescriptor, ShardSession, check_tenant
 
+if TYPE_CHECKING:
+    from settings import Settings
+
 logger = logging.getLogger(__name__)
 
 DELTA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+QUANT_DTYPES = ("int8", "int4")
 
 
-def parse_delta_dtype(name: object) -> torch.dtype:
+def parse_delta_dtype(name: object, settings: Settings | None = None) -> DeltaFormat:
+    """``run_round``'s ``delta_dtype``: a float dtype, or a quantised scheme whose block size and
+    scale dtype are the settings' (``quant_block_size``, ``quant_scale_dtype``; their defaults
+    without settings)."""
+    if isinstance(name, str) and name in QUANT_DTYPES:
+        if settings is None:
+            return QuantScheme.named(name)
+        return QuantScheme.named(name, settings.quant_block_size, settings.quant_scale_dtype)
     if not isinstance(name, str) or name not in DELTA_DTYPES:
-        raise InvalidRequest(f"delta_dtype must be one of {sorted(DELTA_DTYPES)}, got {name!r}")
+        names = [*sorted(DELTA_DTYPES), *QUANT_DTYPES]
+        raise InvalidRequest(f"delta_dtype must be one of {names}, got {name!r}")
     return DELTA_DTYPES[name]
 
 
@@ -182,8 +195,11 @@ def write_manifest(session: Session, work_dir: str) -> None:
 
 
 def drop_manifest(work_dir: str) -> None:
+    """The session is over: no process may resume it, and its error feedback goes with it
+    (a new model must not get the residual of the old one's deltas)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(work_dir, MANIFEST_NAME))
+    ErrorFeedback(work_dir).drop()
 
 
 def session_from_manifest(

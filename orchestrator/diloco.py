@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
-from executor.delta import make_sync_delta, max_delta_bytes, read_delta, state_hash, write_delta
+from executor.delta import SyncFeedback, max_delta_bytes, read_delta, state_hash, write_delta
 from tasks.client import RoundClient
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class Session:
     batch_size: int = 32
     tenant: str = "default"
     delta_dtype: str = "float16"
+    sync_delta_dtype: str = "float16"  # or "int8" / "int4": quantised, with error feedback
     round_timeout_s: float = 600.0
 
 
@@ -145,6 +146,7 @@ class Orchestrator:
         self.store = store
         self.session = session
         self.outer = outer or OuterOptimizer()
+        self.sync_feedback = SyncFeedback(session.sync_delta_dtype)
         self.global_state = {k: v.detach().cpu().contiguous() for k, v in model.items()}
         self.global_hash = state_hash(self.global_state)
         self.history: list[RoundSummary] = []
@@ -254,7 +256,7 @@ class Orchestrator:
     def _sync(
         self, round_num: int, new_state: dict[str, torch.Tensor], excluded: Mapping[str, str]
     ) -> dict[str, str]:
-        sync = make_sync_delta(self.global_state, new_state)
+        sync = self.sync_feedback.build(self.global_state, new_state)
         delta_name = f"sync/round-{round_num}.safetensors.zst"
         model_name = f"model/global-{round_num + 1}.safetensors"
         delta_file = os.path.join(self._scratch, "sync.zst")

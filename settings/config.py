@@ -134,9 +134,12 @@ class Settings(BaseSettings):
     stop_join_timeout_s: float = 30.0
     default_delta_dtype: str = "float16"
     # Quantised trained deltas ("int8", "int4"): values in blocks of this many, each block with
-    # its absmax scale stored as this dtype (issue 16).
-    quant_block_size: int = 64
+    # its absmax scale stored as this dtype (issue 16). A block of at least 2 keeps a quantised
+    # delta within the float32 cap of every delta decode.
+    quant_block_size: int = Field(default=64, ge=2, le=1 << 20)
     quant_scale_dtype: Literal["float32", "float16"] = "float32"
+    # Error feedback: what quantising a round's delta dropped is added to the next round's.
+    quant_error_feedback: bool = True
 
     # The reference orchestrator (orchestrator/): an S3-compatible store when an endpoint is
     # set, else its own artifact server, reachable by workers at demo_public_host.

@@ -125,6 +125,10 @@ class RoundClient:
         delta_url: str | None = None,
         delta_dtype: str = "float16",
     ) -> AsyncResult:
+        """One round on ``host``; its trained delta is PUT to ``delta_url`` as ``delta_dtype``:
+        ``"float16"``, ``"bfloat16"``, ``"float32"``, or quantised ``"int8"`` / ``"int4"``
+        (blockwise absmax, with error feedback kept on the worker; ``read_delta`` returns
+        float32 either way)."""
         return self._send(
             host,
             RUN_ROUND,

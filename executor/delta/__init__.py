@@ -12,10 +12,28 @@ safetensors format, the trained delta) → ``_decode`` (decoding within a cap: t
 the capped zstd stream, the apply's delta source, the seed's torch dicts) → ``_sync``
 (the state hash, the apply rule, ``SyncDelta``) → ``_schemes`` (the hash schemes,
 ``sha256:`` and ``blake3:``, and the state hash of a safetensors stream as it arrives).
+
+Quantised deltas (``"int8"``, ``"int4"``: ``QuantScheme``) run beside the float ones:
+``_qwire`` (writing them, the trained delta with error feedback) → ``_feedback`` (the
+session's residual, ``ErrorFeedback``) and ``_qlayout`` (their safetensors entries and
+metadata, checked; the apply's dequantised slices) → ``_quant`` (the blockwise absmax
+encoder and the bit-exact decoder, ``QuantizedDelta``). ``_decode``, ``_wire`` and
+``_sync`` call into them where a delta turns out to be quantised.
 """
 
 from executor.delta._apply import apply_sync_delta
 from executor.delta._decode import max_delta_bytes, zstd_bound
+from executor.delta._feedback import ErrorFeedback, SyncFeedback
+from executor.delta._quant import (
+    DeltaFormat,
+    QuantizedDelta,
+    QuantScheme,
+    QuantTensor,
+    delta_format,
+    dequantize,
+    format_name,
+    quantize,
+)
 from executor.delta._schemes import (
     DEFAULT_SCHEME,
     SCHEMES,
@@ -36,15 +54,25 @@ from executor.delta._wire import read_delta, write_delta, write_result_delta
 __all__ = [
     "DEFAULT_SCHEME",
     "SCHEMES",
+    "DeltaFormat",
+    "ErrorFeedback",
+    "QuantScheme",
+    "QuantTensor",
+    "QuantizedDelta",
     "StreamStateHash",
     "SyncDelta",
+    "SyncFeedback",
     "apply_sync_delta",
     "apply_sync_delta_state",
     "check_scheme",
+    "delta_format",
+    "dequantize",
     "file_state_hash",
+    "format_name",
     "make_sync_delta",
     "max_delta_bytes",
     "new_hasher",
+    "quantize",
     "read_delta",
     "scheme_of",
     "state_hash",

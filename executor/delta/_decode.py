@@ -31,6 +31,7 @@ from typing import IO
 import torch
 import zstandard
 
+from executor.delta._qlayout import SliceDecoder, parse_layout
 from executor.delta._sync import is_floating
 from executor.errors import BadArtifact, into, map_exceptions
 from executor.tensorfile import (
@@ -233,6 +234,7 @@ class DeltaSource:
         self._stream: CappedStream | None = None
         self._spool: IO[bytes] | None = None
         self._tensors: dict[str, torch.Tensor] | None = None
+        self._quant: SliceDecoder | None = None
         try:
             self._stream = CappedStream(self._file, cap)
             self.specs = self._open(self._stream, os.path.dirname(os.path.abspath(path)))
@@ -248,16 +250,32 @@ class DeltaSource:
         header = read_stream_header(stream, prefix)
         ordered = sorted(header.specs.values(), key=lambda s: s.name)
         self._base = header.data_offset
-        if [s.start for s in ordered] != sorted(s.start for s in ordered):
+        layout = parse_layout(header)
+        if layout is not None:
+            # Quantised: hand out each key's float32 slices, decoded from its codes and scales.
+            self._quant = SliceDecoder(layout, self._read_raw)
+            in_order = layout.in_stream_order()
+        else:
+            in_order = [s.start for s in ordered] == sorted(s.start for s in ordered)
+        if not in_order:
             # Not in key order: a sequential pass is impossible, spool the data section once.
             self._spool = spool(spool_dir)
             with map_exceptions({}, where=spool_dir):
                 stream.copy_to(self._spool, header.data_bytes)
                 self._spool.flush()  # read back with pread, below the buffer
-        return header.specs
+        return layout.specs() if layout is not None else header.specs
 
     def read_slice(self, spec: TensorSpec, offset: int, nbytes: int, out: memoryview) -> None:
-        """Fill ``out`` with bytes [offset, offset+nbytes) of ``spec``'s data; calls must go forward."""
+        """Fill ``out`` with bytes [offset, offset+nbytes) of ``spec``'s data; calls must go forward.
+
+        For a quantised delta ``spec`` is one of :attr:`specs` (float32) and ``out`` gets the
+        dequantised values."""
+        if self._quant is not None:
+            self._quant.read_slice(spec, offset, nbytes, out)
+            return
+        self._read_raw(spec, offset, nbytes, out)
+
+    def _read_raw(self, spec: TensorSpec, offset: int, nbytes: int, out: memoryview) -> None:
         if self._spool is not None:
             read_into(self._spool, spec.start + offset, out[:nbytes])
             return

@@ -16,6 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.delta._quant import (
+    DeltaFormat,
+    QuantizedDelta,
+    QuantScheme,
+    QuantTensor,
+    delta_format,
+    dequantize,
+    quantize,
+)
 from executor.delta._schemes import DEFAULT_SCHEME, hash_entry_header, hash_prefix, new_hasher
 from executor.errors import HashMismatch
 from executor.tensorfile import read_header, read_into, tensor_bytes
@@ -91,7 +100,7 @@ def result_dtype(dtype: torch.dtype) -> torch.dtype:
 class SyncDelta:
     """What the orchestrator publishes: the delta, and the exact state every worker will hold."""
 
-    delta: dict[str, torch.Tensor]
+    delta: Mapping[str, torch.Tensor]  # a QuantizedDelta for "int8" / "int4"
     base_hash: str
     result_hash: str
     result: dict[str, torch.Tensor]
@@ -100,7 +109,7 @@ class SyncDelta:
 def make_sync_delta(
     base_state: Mapping[str, torch.Tensor],
     new_state: Mapping[str, torch.Tensor],
-    dtype: torch.dtype = torch.float16,
+    dtype: DeltaFormat | str = torch.float16,
     *,
     scheme: str = DEFAULT_SCHEME,
 ) -> SyncDelta:
@@ -110,23 +119,32 @@ def make_sync_delta(
     ``result`` is not ``new_state``: it is ``base + cast(delta)`` in fp32, which is what
     a worker will compute, so it is what the full-download fallback must serve.
     Non-floating keys keep the base value (the delta cannot carry them).
+    ``dtype`` ``"int8"`` / ``"int4"`` (or a :class:`QuantScheme`): ``.delta`` is a
+    :class:`QuantizedDelta` and ``result = float32(base) + dequant(delta)``.
     """
-    if not is_floating(dtype):
-        raise ValueError(f"delta dtype must be floating, got {dtype}")
+    fmt = delta_format(dtype)
     extra = set(new_state) - set(base_state)
     if extra:
         raise ValueError(f"new state has keys the base lacks: {sorted(extra)[:5]}")
     delta: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantTensor] = {}
     result: dict[str, torch.Tensor] = {}
     for name in sorted(base_state):
         base = base_state[name].detach().cpu()
+        added: torch.Tensor | None = None
         if is_floating(base.dtype) and name in new_state:
             new = new_state[name].detach().cpu()
             if tuple(new.shape) != tuple(base.shape):
                 raise ValueError(f"shape of {name!r} changed: {tuple(base.shape)} -> {tuple(new.shape)}")
-            delta[name] = (new.to(torch.float32) - base.to(torch.float32)).to(dtype).contiguous()
-        result[name] = apply_rule(base, delta.get(name))
-    return SyncDelta(delta, state_hash(base_state, scheme=scheme), state_hash(result, scheme=scheme), result)
+            diff = new.to(torch.float32) - base.to(torch.float32)
+            if isinstance(fmt, QuantScheme):
+                quantized[name] = quantize(diff, fmt)
+                added = dequantize(quantized[name], fmt, repr(name))
+            else:
+                added = delta[name] = diff.to(fmt).contiguous()
+        result[name] = apply_rule(base, added)
+    wire = QuantizedDelta(fmt, quantized) if isinstance(fmt, QuantScheme) else delta
+    return SyncDelta(wire, state_hash(base_state, scheme=scheme), state_hash(result, scheme=scheme), result)
 
 
 def apply_sync_delta_state(

@@ -22,6 +22,10 @@ import torch
 import zstandard
 
 from executor.delta._decode import CappedStream, is_torch_prefix, load_torch_delta, read_stream_header
+from executor.delta._feedback import ResidualUpdate
+from executor.delta._qlayout import decode_all, parse_layout
+from executor.delta._quant import DeltaFormat, QuantizedDelta, QuantScheme
+from executor.delta._qwire import write_quantized, write_quantized_result
 from executor.delta._sync import HASH_PREFIX, hash_entry_header, is_floating
 from executor.fileio import atomic_writer
 from executor.tensorfile import StreamWriter, dtype_name, read_header, read_tensor, tensor_bytes
@@ -51,7 +55,14 @@ def _compressor() -> zstandard.ZstdCompressor:
 
 
 def write_delta(delta: Mapping[str, torch.Tensor], path: str) -> DeltaFile:
-    """Write ``delta`` as zstd(safetensors), atomically; keys in sorted order."""
+    """Write ``delta`` as zstd(safetensors), atomically; keys in sorted order.
+
+    A :class:`QuantizedDelta` is written quantised (its codes and scales, the scheme in
+    the metadata); its hash is that of the float32 tensors it stands for.
+    """
+    if isinstance(delta, QuantizedDelta):
+        digest, keys = write_quantized(delta, path, _compressor())
+        return DeltaFile(os.path.getsize(path), digest, delta.scheme.name, keys)
     names = sorted(delta)
     tensors = {name: delta[name].detach().cpu().contiguous() for name in names}
     dtypes = {dtype_name(t.dtype) for t in tensors.values()}
@@ -79,7 +90,8 @@ def read_delta(path: str, *, max_bytes: int = DEFAULT_MAX_DELTA_BYTES) -> dict[s
     ``max_bytes`` caps what the file may decode to (``BadArtifact`` past it, nothing decoded
     for a frame or header that promises more). Pass :func:`max_delta_bytes` of the model the
     delta belongs to; the default is the largest model a worker loads by default.
-    The data is decoded once, straight into the tensors returned.
+    The data is decoded once, straight into the tensors returned. A quantised delta is
+    returned dequantised (float32), after every check of its layout and values.
     """
     with open(path, "rb") as file:
         stream = CappedStream(file, max_bytes)
@@ -88,12 +100,15 @@ def read_delta(path: str, *, max_bytes: int = DEFAULT_MAX_DELTA_BYTES) -> dict[s
             if is_torch_prefix(prefix):
                 return load_torch_delta(stream, prefix, os.path.dirname(os.path.abspath(path)))
             header = read_stream_header(stream, prefix)
+            layout = parse_layout(header)  # None: a float delta
             tensors: dict[str, torch.Tensor] = {}
             for spec in sorted(header.specs.values(), key=lambda s: (s.start, s.end)):
                 stream.skip_to(header.data_offset + spec.start)
                 tensor = tensors[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
                 if spec.nbytes:
                     stream.readinto(tensor_bytes(tensor))
+            if layout is not None:
+                return decode_all(layout, tensors)
             return {name: tensors[name] for name in sorted(tensors)}
         finally:
             stream.close()
@@ -107,14 +122,20 @@ def write_result_delta(
     trained: Mapping[str, torch.Tensor],
     path: str,
     *,
-    dtype: torch.dtype = torch.float16,
+    dtype: DeltaFormat = torch.float16,
+    feedback: ResidualUpdate | None = None,
 ) -> DeltaFile:
     """``trained - original`` for every floating key of the model file, cast, as a delta file.
 
     Streams key by key (original read from the file, never held whole). A trained key
     the model lacks is ignored; a key the trained state lacks is left out (zero delta).
     A shape change is a ``ValueError`` (the caller reports it as the user's error).
+    A :class:`QuantScheme` quantises each key as it is written, adding ``feedback``'s
+    previous residual first and staging the next one (error feedback).
     """
+    if isinstance(dtype, QuantScheme):
+        digest, keys = write_quantized_result(original_path, trained, path, dtype, _compressor(), feedback)
+        return DeltaFile(os.path.getsize(path), digest, dtype.name, keys)
     if not is_floating(dtype):
         raise ValueError(f"delta dtype must be floating, got {dtype}")
     with open(original_path, "rb") as file:

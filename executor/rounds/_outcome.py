@@ -10,6 +10,7 @@ and its path is returned.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from executor import placement, transfer
-from executor.delta import write_result_delta
+from executor.delta import DeltaFormat, ErrorFeedback, QuantScheme, write_result_delta
 from executor.errors import ErrorInfo, RoundhouseError, Stopped, UserCodeError, map_exceptions
 from executor.results import DeltaInfo, RoundResult, RoundStatus
 from executor.rounds._namespace import RoundSpec
@@ -124,23 +125,37 @@ def ship_delta(
     *,
     work_dir: str,
     round_num: int,
-    dtype: torch.dtype,
+    dtype: DeltaFormat,
     delta_url: str | None,
     transfer_config: transfer.TransferConfig,
     abort: threading.Event,
+    error_feedback: bool = True,
 ) -> DeltaInfo:
-    """Write the trained delta (a zero delta when nothing was saved) and upload it."""
+    """Write the trained delta (a zero delta when nothing was saved) and upload it.
+
+    A quantised delta with ``error_feedback`` carries the residual of the session's earlier
+    rounds (``executor.delta.ErrorFeedback``, in the work dir); the next residual replaces
+    it only once this delta is delivered, so a failed upload leaves it as it was.
+    """
     deltas = os.path.join(work_dir, "deltas")
     os.makedirs(deltas, exist_ok=True)
     path = os.path.join(deltas, f"round-{round_num}.safetensors.zst")
-    with map_exceptions({}, where="the work dir (trained delta)"):
-        written = write_result_delta(model_path, trained or {}, path, dtype=dtype)
-    if not delta_url:
-        return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
-    try:
-        transfer.upload(path, delta_url, config=transfer_config, abort=abort)
-    finally:
-        os.unlink(path)
+    feedback = ErrorFeedback(work_dir) if isinstance(dtype, QuantScheme) and error_feedback else None
+    with contextlib.ExitStack() as stack:
+        residual = stack.enter_context(feedback.next_round()) if feedback is not None else None
+        with map_exceptions({}, where="the work dir (trained delta)"):
+            written = write_result_delta(model_path, trained or {}, path, dtype=dtype, feedback=residual)
+            if not delta_url and residual is not None:
+                residual.commit()  # kept in the work dir: delivered
+        if not delta_url:
+            return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
+        try:
+            transfer.upload(path, delta_url, config=transfer_config, abort=abort)
+        finally:
+            os.unlink(path)
+        if residual is not None:
+            with map_exceptions({}, where="the work dir (error feedback)"):
+                residual.commit()
     return DeltaInfo(
         written.bytes, written.hash, written.dtype, written.keys, url=transfer.redact_url(delta_url)
     )

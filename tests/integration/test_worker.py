@@ -178,6 +178,27 @@ def test_a_redelivered_round_is_not_run_twice(worker, artifacts, client) -> None
     assert len(stats_after) == len([e for e in stats_before if e.type == "stats"]) == 3
 
 
+def test_an_int8_round_ships_a_delta_close_to_the_fp16_one(worker, artifacts, client) -> None:  # type: ignore[no-untyped-def]
+    # The same round (model, shards, round number) twice: as float16, then quantised to int8.
+    server, root, descriptors = artifacts
+    client.load_model("w1", server.url("model.safetensors"), descriptors, TRAIN_CODE).get(timeout=60)
+    deltas = {}
+    for dtype in ("float16", "int8"):
+        name = f"uploads/same-round-{dtype}.zst"
+        result = client.run_round(
+            "w1", steps=4, round_num=2, delta_url=server.url(name), delta_dtype=dtype
+        ).get(timeout=120)
+        assert result["status"] == "completed", result
+        assert result["delta"]["dtype"] == dtype and result["delta"]["keys"] == 4
+        deltas[dtype] = read_delta(str(root / name))
+        assert state_hash(deltas[dtype]) == result["delta"]["hash"]  # int8: of the float32 it stands for
+    for key, half in deltas["float16"].items():
+        quantised = deltas["int8"][key]
+        assert quantised.dtype == torch.float32 and quantised.shape == half.shape
+        # Each within half an int8 step of its block's absmax of the key's, plus fp16's rounding.
+        assert float((quantised - half.float()).abs().max()) <= float(half.float().abs().max()) / 127, key
+
+
 def test_events_arrive_in_order_without_gaps_and_replay(worker, artifacts, client) -> None:  # type: ignore[no-untyped-def]
     server, _root, descriptors = artifacts
     client.load_model("w1", server.url("model.safetensors"), descriptors, TRAIN_CODE).get(timeout=60)

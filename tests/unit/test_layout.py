@@ -47,6 +47,7 @@ WHITE_BOX = {
     ("tests.unit.test_transfer", "executor.transfer._cancel"),  # Cancel, driven by hand
     ("tests.unit.test_transfer", "executor.transfer._local"),  # the second-pass hash, patched
     ("tests.unit.test_delta", "executor.delta._sync"),  # slice size, patched small
+    ("tests.unit.test_quant", "executor.delta._apply"),  # apply slices patched odd (int4 mid-byte)
     ("tests.unit.test_artifacts", "executor.artifacts._extract"),  # zip members, one by one
     ("tests.unit.test_artifacts", "executor.artifacts._bundle"),  # copy chunk size, patched small
     # Confinement kinds driven by hand: a v2 group without controllers, discovery from given texts.

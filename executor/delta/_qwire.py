@@ -1,0 +1,123 @@
+"""Writing quantised deltas: the orchestrator's (a :class:`QuantizedDelta`) and a round's
+trained delta, quantised key by key in the writer's streaming path, with error feedback.
+
+Both write the layout of :mod:`executor.delta._qlayout` into one zstd frame whose content
+size is known before the first byte (the header fixes every entry's size). The hash a
+written delta reports is ``state_hash`` of the float32 tensors it stands for — what
+``read_delta`` of the file returns — so the orchestrator checks a quantised delta exactly as
+it checks a float one. The trained delta holds no more of the model at once than the
+float path does: one key's original, its float32 difference, its codes and scales, and,
+with error feedback, that key's previous and next residual.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import IO, Any
+
+import torch
+import zstandard
+
+from executor.delta._feedback import ResidualUpdate
+from executor.delta._qlayout import entries, metadata
+from executor.delta._quant import QuantizedDelta, QuantScheme, QuantTensor, dequantize, quantize
+from executor.delta._sync import HASH_PREFIX, hash_entry_header, is_floating
+from executor.fileio import atomic_writer
+from executor.tensorfile import StreamWriter, read_header, read_tensor, tensor_bytes
+
+
+class _QuantStream:
+    """One quantised delta being written: its header up front, then key by key."""
+
+    def __init__(self, writer: StreamWriter) -> None:
+        self._writer = writer
+        self._hasher: Any = hashlib.sha256()
+        self.keys = 0
+
+    def put(self, name: str, qt: QuantTensor, dequantized: torch.Tensor) -> None:
+        hash_entry_header(self._hasher, name, torch.float32, qt.shape)
+        self._hasher.update(tensor_bytes(dequantized.contiguous()))
+        self._writer.write(tensor_bytes(qt.scales.contiguous()))
+        self._writer.write(tensor_bytes(qt.codes.contiguous()))
+        self.keys += 1
+
+    @property
+    def digest(self) -> str:
+        return HASH_PREFIX + str(self._hasher.hexdigest())
+
+
+@contextmanager
+def _quant_stream(
+    raw: IO[bytes],
+    scheme: QuantScheme,
+    shapes: Mapping[str, tuple[int, ...]],
+    compressor: zstandard.ZstdCompressor,
+) -> Iterator[_QuantStream]:
+    layout, meta = entries(scheme, shapes), metadata(scheme, shapes)
+    size = StreamWriter(io.BytesIO(), layout, meta).total_bytes
+    zf = compressor.stream_writer(raw, size=size, closefd=False)
+    writer = StreamWriter(zf, layout, meta)
+    writer.write_header()
+    # Closed only on success: closing a frame cut short fails on its recorded size, and would
+    # hide why it was cut short (the atomic writer discards the file either way).
+    yield _QuantStream(writer)
+    zf.close()
+
+
+def write_quantized(
+    delta: QuantizedDelta, path: str, compressor: zstandard.ZstdCompressor
+) -> tuple[str, int]:
+    """Write a quantised delta atomically; returns its hash and key count."""
+    shapes = {name: qt.shape for name, qt in delta.tensors.items()}
+    with atomic_writer(path) as raw, _quant_stream(raw, delta.scheme, shapes, compressor) as stream:
+        for name, qt in delta.tensors.items():
+            stream.put(name, qt, dequantize(qt, delta.scheme, repr(name)))
+    return stream.digest, stream.keys
+
+
+def write_quantized_result(
+    original_path: str,
+    trained: Mapping[str, torch.Tensor],
+    path: str,
+    scheme: QuantScheme,
+    compressor: zstandard.ZstdCompressor,
+    feedback: ResidualUpdate | None = None,
+) -> tuple[str, int]:
+    """``trained - original`` (+ the previous residual), quantised, as a delta file.
+
+    The keys are those of :func:`executor.delta.write_result_delta`; with ``feedback`` the
+    next residual is staged as each key is written (the caller commits it once the delta
+    is delivered). A shape change, or a non-finite value, is a ``ValueError``.
+    """
+    with open(original_path, "rb") as file:
+        header = read_header(file)
+        names = sorted(n for n, s in header.specs.items() if is_floating(s.dtype) and n in trained)
+        for name in names:
+            if tuple(trained[name].shape) != header.specs[name].shape:
+                raise ValueError(
+                    f"trained {name!r} has shape {tuple(trained[name].shape)}, "
+                    f"the model file has {header.specs[name].shape}"
+                )
+        shapes = {n: header.specs[n].shape for n in names}
+        if feedback is not None:
+            feedback.begin(sorted(shapes.items()))
+        with atomic_writer(path) as raw, _quant_stream(raw, scheme, shapes, compressor) as stream:
+            for name in names:
+                original = read_tensor(file, header, header.specs[name]).to(torch.float32)
+                value = trained[name].detach().to("cpu", torch.float32) - original
+                del original
+                previous = feedback.previous(name, shapes[name]) if feedback is not None else None
+                if previous is not None:
+                    value.add_(previous)
+                try:
+                    qt = quantize(value, scheme)
+                except ValueError:
+                    raise ValueError(f"trained {name!r} has inf or nan: it cannot be quantised") from None
+                dequantized = dequantize(qt, scheme, repr(name))
+                stream.put(name, qt, dequantized)
+                if feedback is not None:
+                    feedback.put(name, value.sub_(dequantized))
+    return stream.digest, stream.keys
