@@ -41,6 +41,51 @@ channel = next(o for o in gc.get_objects() if isinstance(o, Channel))
 round_id = os.path.basename(glob.glob('/ro/rounds/*.json')[0])[: -len('.json')]
 """
 QUOTA_MB = 64
+# The attacks that test_hostile_worker.py replays through a real worker.
+FORGED_COMPLETE = (
+    CHANNEL
+    + """
+channel.send({'type': 'complete', 'round': round_id, 'stopped': False, 'error': None,
+              'report': {'forged': True}, 'training_time': 0.0, 'result': None})
+"""
+)
+FILL_FOREVER = """
+n = 0
+while True:  # the old watchdog slept once the round 'ended': 321 MiB into a 64 MiB quota
+    with open(f'/task/fill-{n}', 'wb') as f:
+        f.write(b'x' * (4 << 20))
+    n += 1
+"""
+# A frame the runner would never send once its round is complete.
+LATE_LOG = "channel.send({'type': 'log', 'text': 'still here'})\n"
+DAEMON_WITHOUT_CLEANUP = """
+import os, time
+import executor.sandbox._runner as runner
+runner._own_pid_namespace = lambda init: False  # the runner's own kill(-1) of strays: off
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    if os.fork() == 0:
+        while True:
+            with open('/task/beat.tmp', 'w') as f:  # whole beats only: a kill lands anywhere
+                f.write(repr(time.time()))
+            os.replace('/task/beat.tmp', '/task/beat')
+            time.sleep(0.05)
+    os._exit(0)
+os.waitpid(pid, 0)
+deadline = time.monotonic() + 30
+while not os.path.exists('/task/beat') and time.monotonic() < deadline:
+    time.sleep(0.01)
+save_report({'beating': os.path.exists('/task/beat')})
+"""
+SHARED_MEMORY_BOMB = """
+import mmap
+open('/task/mapped', 'w').write('started')
+m = mmap.mmap(-1, 2 << 30, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+for offset in range(0, len(m), 4096):  # RLIMIT_DATA never counted these pages
+    m[offset] = 1
+save_report({'touched': len(m)})
+"""
 
 
 def _uid() -> int:
@@ -134,16 +179,7 @@ def _processes_of(uid: int) -> int:
 def test_a_forged_complete_does_not_let_the_tenant_run_on(world) -> None:  # type: ignore[no-untyped-def]
     result = attack(
         world,
-        CHANNEL
-        + """
-channel.send({'type': 'complete', 'round': round_id, 'stopped': False, 'error': None,
-              'report': {'forged': True}, 'training_time': 0.0, 'result': None})
-n = 0
-while True:  # the old watchdog slept once the round 'ended': 321 MiB into a 64 MiB quota
-    with open(f'/task/fill-{n}', 'wb') as f:
-        f.write(b'x' * (4 << 20))
-    n += 1
-""",
+        FORGED_COMPLETE + FILL_FOREVER,
         mode="inference",
     )
     assert result.status is RoundStatus.COMPLETED and result.report == {"forged": True}, result
@@ -166,23 +202,7 @@ while True:  # the old watchdog slept once the round 'ended': 321 MiB into a 64 
 def test_switching_off_the_runners_cleanup_does_not_keep_a_daemon(world) -> None:  # type: ignore[no-untyped-def]
     result = attack(
         world,
-        """
-import os, time
-import executor.sandbox._runner as runner
-runner._own_pid_namespace = lambda init: False  # the runner's own kill(-1) of strays: off
-pid = os.fork()
-if pid == 0:
-    os.setsid()
-    if os.fork() == 0:
-        while True:
-            with open('/task/beat', 'w') as f:
-                f.write(repr(time.time()))
-            time.sleep(0.05)
-    os._exit(0)
-os.waitpid(pid, 0)
-time.sleep(0.5)
-save_report({'beating': os.path.exists('/task/beat')})
-""",
+        DAEMON_WITHOUT_CLEANUP,
         mode="inference",
     )
     assert result.status is RoundStatus.COMPLETED and result.report == {"beating": True}, result
@@ -197,16 +217,12 @@ save_report({'beating': os.path.exists('/task/beat')})
 
 def test_a_message_after_complete_ends_the_runner_and_fails_the_round(world) -> None:  # type: ignore[no-untyped-def]
     before = healthy(world)
-    result = attack(
-        world,
-        CHANNEL
-        + """
-channel.send({'type': 'complete', 'round': round_id, 'stopped': False, 'error': None,
-              'report': {'forged': True}, 'training_time': 0.0, 'result': None})
-channel.send({'type': 'log', 'text': 'still here'})
-""",
-        mode="inference",
-    )
+    result = attack(world, FORGED_COMPLETE + LATE_LOG, mode="inference")
+    if result.status is RoundStatus.COMPLETED:
+        # The sandbox was frozen between its "complete" and its next frame: that frame (and the
+        # runner's own "complete" for a round that is over) comes at the thaw and fails the next.
+        assert result.report == {"forged": True}, result
+        result = attack(world, "save_report({'ok': True})", mode="inference")
     assert result.status is RoundStatus.FAILED and result.error.code == "sandbox_protocol_error", result
     assert healthy(world) != before  # a fresh runner
 
@@ -260,14 +276,7 @@ def test_shared_memory_counts_against_the_sandbox_limit(world) -> None:  # type:
         pytest.skip("no writable cgroup here: shared memory is bounded only by the host")
     result = attack(
         world,
-        """
-import mmap
-open('/task/mapped', 'w').write('started')
-m = mmap.mmap(-1, 2 << 30, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-for offset in range(0, len(m), 4096):  # RLIMIT_DATA never counted these pages
-    m[offset] = 1
-save_report({'touched': len(m)})
-""",
+        SHARED_MEMORY_BOMB,
         mode="inference",
     )
     assert (Path(world.executor.work_dir) / "sandbox" / "task" / "mapped").exists() or result.error

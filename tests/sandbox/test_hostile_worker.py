@@ -24,7 +24,16 @@ from safetensors.torch import save_file
 from executor.delta import state_hash
 from settings import Settings
 from tasks.client import RoundClient
-from tests.sandbox.test_hostile import CHANNEL, DISPATCH, QUOTA_MB
+from tests.sandbox.test_hostile import (
+    CHANNEL,
+    DAEMON_WITHOUT_CLEANUP,
+    DISPATCH,
+    FILL_FOREVER,
+    FORGED_COMPLETE,
+    LATE_LOG,
+    QUOTA_MB,
+    SHARED_MEMORY_BOMB,
+)
 from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer
@@ -103,19 +112,7 @@ def live_processes(uid: int) -> int:
 
 def test_a_forged_complete_cannot_fill_the_disk(rig) -> None:  # type: ignore[no-untyped-def]
     _client, worker, _url = rig
-    result = attack(
-        rig,
-        CHANNEL
-        + """
-channel.send({'type': 'complete', 'round': round_id, 'stopped': False, 'error': None,
-              'report': {'forged': True}, 'training_time': 0.0, 'result': None})
-n = 0
-while True:
-    with open(f'/task/fill-{n}', 'wb') as f:
-        f.write(b'x' * (4 << 20))
-    n += 1
-""",
-    )
+    result = attack(rig, FORGED_COMPLETE + FILL_FOREVER)
     assert result["status"] == "completed" and result["report"] == {"forged": True}, result
     frozen = task_bytes(worker)
     time.sleep(1.5)  # a writer that ran on would add ~1 GB/s here
@@ -128,17 +125,15 @@ while True:
 
 def test_a_message_after_complete_or_a_nested_frame_fails_the_round(rig) -> None:  # type: ignore[no-untyped-def]
     before = healthy(rig)
-    late = CHANNEL + (
-        "channel.send({'type': 'complete', 'round': round_id, 'stopped': False, 'error': None,\n"
-        "              'report': {'forged': True}, 'training_time': 0.0, 'result': None})\n"
-        "channel.send({'type': 'log', 'text': 'still here'})\n"
-    )
     nested = CHANNEL + (
         "channel._out.write(b'[' * 100_000 + b']' * 100_000 + b'\\n'); channel._out.flush()\n"
         "import time; time.sleep(5)\n"
     )
-    for code in (late, nested):
+    for code in (FORGED_COMPLETE + LATE_LOG, nested):
         result = attack(rig, code)
+        if result["status"] == "completed":  # frozen before its late frame: it fails the next round
+            assert result["report"] == {"forged": True}, result
+            result = attack(rig, "save_report({'ok': True})")
         assert result["status"] == "failed" and result["error"]["code"] == "sandbox_protocol_error", result
         after = healthy(rig)
         assert after != before, "the runner that broke the protocol was kept"
@@ -146,28 +141,7 @@ def test_a_message_after_complete_or_a_nested_frame_fails_the_round(rig) -> None
 
 
 def test_the_runners_cleanup_switched_off_keeps_no_daemon(rig) -> None:  # type: ignore[no-untyped-def]
-    result = attack(
-        rig,
-        """
-import os, time
-import executor.sandbox._runner as runner
-runner._own_pid_namespace = lambda init: False
-pid = os.fork()
-if pid == 0:
-    os.setsid()
-    if os.fork() == 0:
-        while True:
-            with open('/task/beat', 'w') as f:
-                f.write(repr(time.time()))
-            time.sleep(0.05)
-    os._exit(0)
-os.waitpid(pid, 0)
-deadline = time.monotonic() + 30
-while not os.path.exists('/task/beat') and time.monotonic() < deadline:
-    time.sleep(0.01)
-save_report({'beating': os.path.exists('/task/beat')})
-""",
-    )
+    result = attack(rig, DAEMON_WITHOUT_CLEANUP)
     assert result["status"] == "completed" and result["report"] == {"beating": True}, result
     assert live_processes(UID) <= 1, "the daemon outlived its round"
     later = attack(
@@ -181,17 +155,7 @@ def test_shared_memory_beyond_the_limit_kills_only_the_runner(rig) -> None:  # t
     client, worker, _url = rig
     if client.status(HOST).get(timeout=30)["sandbox"]["confinement"] == "pidns":
         pytest.skip("no writable cgroup here: shared memory is bounded only by the host")
-    result = attack(
-        rig,
-        """
-import mmap
-open('/task/mapped', 'w').write('started')
-m = mmap.mmap(-1, 2 << 30, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-for offset in range(0, len(m), 4096):
-    m[offset] = 1
-save_report({'touched': len(m)})
-""",
-    )
+    result = attack(rig, SHARED_MEMORY_BOMB)
     task = worker.directory / "work" / HOST / "session" / "sandbox" / "task"
     assert (task / "mapped").exists(), "the attack never ran"
     assert result["status"] == "failed" and result["error"]["code"] == "sandbox_runner_error", result
