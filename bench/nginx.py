@@ -36,8 +36,9 @@ http {{
     log_format sent '$request_uri $status $bytes_sent';
     access_log {state}/access.log sent;
     server {{
-        listen 127.0.0.1:{port};
+        listen {address}:{port};
         root {root};
+        {limit}
         location /slow/ {{
             alias {root}/;
             limit_rate {slow_rate};
@@ -56,8 +57,22 @@ def free_port() -> int:
 class Nginx:
     """``with Nginx(binary, root, state) as server: server.url("file")``."""
 
-    def __init__(self, binary: str, root: Path, state: Path, slow_rate: str = "8m") -> None:
+    def __init__(
+        self,
+        binary: str,
+        root: Path,
+        state: Path,
+        slow_rate: str = "8m",
+        *,
+        address: str = "127.0.0.1",
+        rate: str | None = None,
+        prefix: tuple[str, ...] = (),
+    ) -> None:
+        """``rate``: nginx's ``limit_rate`` on every response (an object store's per-connection
+        cap); ``prefix``: what nginx runs under (``ip netns exec NAME``: inside a namespace)."""
         self.binary = binary
+        self.address = address
+        self.prefix = prefix
         self.root = root.resolve()  # nginx reads relative paths against its own prefix
         self.state = state.resolve()
         state = self.state
@@ -65,23 +80,34 @@ class Nginx:
         self.config = state / "nginx.conf"
         state.mkdir(parents=True, exist_ok=True)
         self.config.write_text(
-            CONFIG.format(state=state, port=self.port, root=self.root, slow_rate=slow_rate)
+            CONFIG.format(
+                state=state,
+                port=self.port,
+                root=self.root,
+                slow_rate=slow_rate,
+                address=address,
+                limit=f"limit_rate {rate};" if rate else "",
+            )
         )
         self.process: subprocess.Popen[bytes] | None = None
 
     def url(self, name: str, slow: bool = False) -> str:
-        return f"http://127.0.0.1:{self.port}/{'slow/' if slow else ''}{name}"
+        return f"http://{self.address}:{self.port}/{'slow/' if slow else ''}{name}"
 
     def start(self) -> None:
         # -e: the error log before the config is read (Debian's default is not writable for all)
         self.process = subprocess.Popen(
-            [self.binary, "-e", str(self.state / "error.log"), "-p", str(self.state), "-c", str(self.config)],
+            [
+                *self.prefix,
+                *[self.binary, "-e", str(self.state / "error.log"), "-p", str(self.state)],
+                *["-c", str(self.config)],
+            ],
             stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.address, self.port), timeout=0.2).close()
                 return
             except OSError:
                 if self.process.poll() is not None:

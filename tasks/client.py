@@ -99,20 +99,20 @@ class RoundClient:
         params: dict[str, Any] | None = None,
         initial_shard_index: int = 0,
         tenant: str = "default",
+        hash_scheme: str = "sha256",
     ) -> AsyncResult:
-        return self._send(
-            host,
-            LOAD_MODEL,
-            {
-                "model_url": model_url,
-                "dataset_shards": dataset_shards,
-                "code": code,
-                "batch_size": batch_size,
-                "params": params,
-                "initial_shard_index": initial_shard_index,
-                "tenant": tenant,
-            },
-        )
+        kwargs = {
+            "model_url": model_url,
+            "dataset_shards": dataset_shards,
+            "code": code,
+            "batch_size": batch_size,
+            "params": params,
+            "initial_shard_index": initial_shard_index,
+            "tenant": tenant,
+        }
+        if hash_scheme != "sha256":  # a worker of before the schemes takes the task as it was
+            kwargs["hash_scheme"] = hash_scheme
+        return self._send(host, LOAD_MODEL, kwargs)
 
     def run_round(
         self,

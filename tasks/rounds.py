@@ -67,6 +67,7 @@ def load_model(
     params: dict[str, Any] | None = None,
     initial_shard_index: int = 0,
     tenant: str = "default",
+    hash_scheme: str = "sha256",
 ) -> dict[str, Any]:
     rt = runtime()
     task_id = self.request.id
@@ -74,7 +75,14 @@ def load_model(
         if (done := _recall(task_id)) is not None and rt.executor.state.value != "idle":
             return done
         result = rt.executor.load(
-            model_url, dataset_shards, code, batch_size, params, initial_shard_index, tenant=tenant
+            model_url,
+            dataset_shards,
+            code,
+            batch_size,
+            params,
+            initial_shard_index,
+            tenant=tenant,
+            hash_scheme=hash_scheme,
         )
         return _remember(task_id, result.to_json())
 
