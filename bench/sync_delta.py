@@ -3,9 +3,13 @@
 Side by side, in one run, on one model file of ``--mb`` MB of fp32 with an fp16 delta:
 
 - ``cp``: one copy of the model file (``cp --reflink=never``), the floor the target is set against;
+- ``openssl dgst -sha256``: one OpenSSL sha256 pass over the file, the floor of an apply whose
+  result is hashed with one sha256 stream (issue 15's target: apply <= 1.15 x this);
 - ``sha256``: raw ``hashlib.sha256`` over the file (read in 16 MiB slices), the floor of any hash;
+- ``blake3``: :func:`executor.delta.file_state_hash` in the ``blake3:`` scheme (every core);
 - ``state_hash``: :func:`executor.delta.file_state_hash` of the same file;
 - ``apply (known base)``: the executor's path (it knows the hash of the file it installed);
+- ``apply (known base, blake3)``: the same with the session's hashes in the ``blake3:`` scheme;
 - ``apply (full)``: base hash checked in the same pass;
 - ``seed approach``: load base, hash, decompress delta to disk, reload, add, hash, save.
 
@@ -29,7 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.common import add_size_and_runs, save, scratch
-from executor.delta import file_state_hash, make_sync_delta, write_delta
+from executor.delta import file_state_hash, make_sync_delta, state_hash, write_delta
 from executor.tensorfile import write_state
 
 SLICE = 16 * 1024 * 1024
@@ -46,14 +50,14 @@ if mode == "seed":
     seed_apply(model, delta, base_hash, result_hash)
 elif mode != "idle":  # idle: the floor every apply process pays (python, torch, the modules)
     apply_sync_delta(model, delta, base_hash=base_hash, result_hash=result_hash,
-                     known_base_hash=base_hash if mode == "known" else None)
+                     known_base_hash=base_hash if mode.startswith("known") else None)
 seconds = time.monotonic() - started
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
 print(json.dumps({{"seconds": seconds, "peak_rss_bytes": int(hwm) * 1024}}))
 """
 
 
-def make_model(directory: Path, megabytes: int) -> tuple[Path, Path, str, str]:
+def make_model(directory: Path, megabytes: int) -> tuple[Path, Path, dict[str, tuple[str, str]]]:
     generator = torch.Generator().manual_seed(0)
     rows = 1024
     per_tensor = 64  # MB
@@ -68,11 +72,18 @@ def make_model(directory: Path, megabytes: int) -> tuple[Path, Path, str, str]:
     sync = make_sync_delta(base, new)
     delta = directory / "delta.safetensors.zst"
     write_delta(sync.delta, str(delta))
-    return model, delta, sync.base_hash, sync.result_hash
+    # The same delta's hashes in the other scheme (its bytes do not depend on the scheme).
+    result_b3 = state_hash(sync.result, scheme="blake3")
+    hashes = {
+        "sha256": (sync.base_hash, sync.result_hash),
+        "blake3": (state_hash(base, scheme="blake3"), result_b3),
+    }
+    return model, delta, hashes
 
 
 MODES = (
     ("known", "apply (known base)"),
+    ("known-blake3", "apply (known base, blake3)"),
     ("full", "apply (full)"),
     ("seed", "seed approach"),
     ("idle", "python+torch"),
@@ -115,18 +126,25 @@ def main() -> int:
     add_size_and_runs(parser, mb=1024, runs=3)
     args = parser.parse_args()
     with scratch(args.dir) as directory:
-        original, delta, base, result = make_model(directory, args.mb)
+        original, delta, hashes = make_model(directory, args.mb)
         model = directory / "work.safetensors"
         size = original.stat().st_size
-        rows: dict[str, list[float]] = {k: [] for k in ("cp", "sha256", "state_hash")}
+        names = ("cp", "openssl dgst -sha256", "sha256", "state_hash", "state_hash (blake3)")
+        rows: dict[str, list[float]] = {k: [] for k in names}
         peaks: dict[str, list[int]] = {}
         copy = directory / "copy.safetensors"
+        openssl = ["openssl", "dgst", "-sha256", str(original)]
         for _ in range(args.runs):
             rows["cp"].append(timed(lambda: copy_file(original, copy)))
             copy.unlink()
+            rows["openssl dgst -sha256"].append(
+                timed(lambda: subprocess.run(openssl, check=True, capture_output=True))
+            )
             rows["sha256"].append(timed(lambda: raw_sha256(original)))
             rows["state_hash"].append(timed(lambda: file_state_hash(str(original))))
+            rows["state_hash (blake3)"].append(timed(lambda: file_state_hash(str(original), scheme="blake3")))
             for mode, label in MODES:
+                base, result = hashes["blake3" if mode.endswith("blake3") else "sha256"]
                 measured = child_apply(mode, model, original, delta, base, result)
                 rows.setdefault(label, []).append(measured["seconds"])
                 peaks.setdefault(label, []).append(measured["peak_rss_bytes"])
@@ -141,13 +159,16 @@ def report(
     print(f"sync delta bench: model {size / 1e6:.0f} MB fp32, fp16 delta, {args.runs} runs, medians")
     floor = statistics.median(peaks.pop("python+torch"))
     medians.pop("python+torch")
-    print(f"{'what':<22}{'seconds':>10}{'x cp':>8}{'MB/s':>9}{'peak RSS / model':>18}")
+    print(f"{'what':<30}{'seconds':>10}{'x cp':>8}{'MB/s':>9}{'peak RSS / model':>18}")
     print(f"(peak RSS counts what the step adds above the {floor / 1e6:.0f} MB of python + torch)")
     for label, seconds in medians.items():
         peak = (statistics.median(peaks[label]) - floor) / size if label in peaks else None
         peak_text = f"{peak:.2f}" if peak is not None else "-"
-        print(f"{label:<22}{seconds:>10.3f}{seconds / cp:>8.2f}{size / seconds / 1e6:>9.0f}{peak_text:>18}")
+        print(f"{label:<30}{seconds:>10.3f}{seconds / cp:>8.2f}{size / seconds / 1e6:>9.0f}{peak_text:>18}")
     print(f"state_hash at {medians['sha256'] / medians['state_hash'] * 100:.0f}% of raw sha256 speed")
+    openssl = medians["openssl dgst -sha256"]
+    for label in ("apply (known base)", "apply (known base, blake3)"):
+        print(f"{label}: {medians[label] / openssl:.2f} x one openssl sha256 pass")
     record = {
         "date": time.strftime("%Y-%m-%d"),
         "model_bytes": size,

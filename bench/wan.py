@@ -203,15 +203,17 @@ save_report({{"waits": waits, "round_s": time.monotonic() - started}})
         work_dir=str(base / "shard-work"),
         cache_dir=str(base / "shard-cache"),
         url_allow=[address],
-        shard_cache_max_mb=SHARD_MB * 4,
+        shard_cache_max_mb=SHARD_MB * 4 + 16,
         stage_first_shard=False,
     )
     ex = Executor(lambda _s: None, lambda _l: None, settings=settings)
     try:
-        descriptors = [{"url": url, "compression": "none", "size_bytes": SHARD_MB * MIB} for url in urls]
+        descriptors = [{"url": url, "compression": "none"} for url in urls]
         ex.load(model_url, descriptors, code)
         result = ex.run_round(steps=len(urls), mode="inference")
         report = result.report or {}
+        if "waits" not in report:
+            raise RuntimeError(f"the shard round failed: {result.to_json()}")
         waits = report["waits"]
         return {"first_wait_s": waits[0], "later_waits_s": sum(waits[1:]), "round_s": report["round_s"]}
     finally:
@@ -251,7 +253,8 @@ def main() -> int:
         with open(www / "tiny.safetensors", "wb") as file:
             write_state(file, {"w": torch.zeros(4)})
         for i in range(args.shards):
-            (www / f"shard{i}.bin").write_bytes(os.urandom(SHARD_MB * MIB))
+            ids = torch.randint(0, 32000, (SHARD_MB * MIB // 4,), dtype=torch.int32)
+            torch.save({"ids": ids}, www / f"shard{i}.pt")
         size = (www / "model.safetensors").stat().st_size
         nginx = Nginx(
             tools["nginx"],
@@ -303,7 +306,7 @@ def measure(
                 for path in dest.parent.glob("*"):
                     path.unlink()
                 seconds[name].append(timed(fn))
-        shard_urls = [nginx.url(f"shard{i}.bin") for i in range(args.shards)]
+        shard_urls = [nginx.url(f"shard{i}.pt") for i in range(args.shards)]
         shards = shard_round(base, address, nginx.url("tiny.safetensors"), shard_urls, args.compute_s)
     finally:
         executor.shutdown()

@@ -4,7 +4,8 @@
 # tests/gpu/ (embedded Redis + a real prefork worker: CUDA in the sandbox, timm and HF training
 # through run_round, place_model offload with 1 GiB of VRAM left, a real gpu_oom, a stop during
 # a GPU kernel loop, memory after reset), then bench.gpu (executor vs bare loop steps/s), and
-# prints one table last. Under 8 minutes on an H200.
+# prints one table last (with load-to-first-step and the hash schemes' throughput). Under 8 minutes
+# on an H200.
 #   scripts/gpu_check.sh [wheel dir, default .whl]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,10 @@ timeout 330 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee var/gp
 tests=${PIPESTATUS[0]}
 timeout 150 $PY -m bench.gpu --steps 40 --runs 2 2>&1 | tee var/gpu/bench.log
 bench=${PIPESTATUS[0]}
+# Issue 15: load_model sent -> the tenant's first emit_stats after one step on the GPU, against
+# curl + a bare load to the device; and both state hash schemes on this host's cores.
+timeout 120 $PY -m bench.first_step --mb 2048 --runs 2 2>&1 | tee -a var/gpu/bench.log
+timeout 60 $PY -m bench.hashes --mb 2048 2>&1 | tee -a var/gpu/bench.log
 $PY -m bench.gpu --table | tee var/gpu/table.txt
 if [ -n "${OUT:-}" ]; then cp var/gpu/*.log var/gpu/table.txt var/gpu/results.jsonl "$OUT"/ 2>/dev/null; fi
 echo "tests exit $tests, bench exit $bench"
