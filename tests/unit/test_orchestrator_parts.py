@@ -1,9 +1,15 @@
-"""The orchestrator's parts without workers: artifact serving, the outer step, S3 presigning."""
+"""The orchestrator's parts without workers: artifact serving, the outer step, S3 presigning,
+streaming aggregation, checkpoints, and (against a real Redis, with heartbeats written by
+the test) deadlines, lost hosts and membership."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,10 +17,18 @@ import requests
 import torch
 
 from executor import transfer
+from executor.delta import state_hash, write_delta
+from orchestrator.aggregate import DeltaFolder, DeltaRejected, RunningMean
 from orchestrator.artifacts import ArtifactServer
-from orchestrator.diloco import OuterOptimizer, mean_delta
+from orchestrator.checkpoint import Checkpoint, CheckpointError, StateDir
+from orchestrator.collect import Deadline, Ending, Waiter, round_failure
+from orchestrator.diloco import OuterOptimizer, RoundSummary, Session, mean_delta
+from orchestrator.membership import MAX_FAILURES, HostState, Membership, join_kind
 from orchestrator.s3 import presign
 from settings import Settings
+from tasks.client import RoundClient
+from tasks.names import heartbeat_key
+from tests.support.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -92,3 +106,283 @@ def test_s3_presigning_matches_the_aws_documented_example() -> None:
         now=dt.datetime(2013, 5, 24, tzinfo=dt.UTC),
     )
     assert url.endswith("X-Amz-Signature=aeeed9bbccd4d02ee5c0109b86d86835f995330da4c265957d157751f604d404")
+
+
+# ---------------------------------------------------------------- streaming aggregation
+
+
+def _deltas(count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"w": torch.randn(64, 32, generator=g).half(), "b": torch.randn(32, generator=g).half()}
+        if i % 3
+        else {"w": torch.randn(64, 32, generator=g).half()}  # no "b": counts as zero
+        for i in range(count)
+    ]
+
+
+MODEL = {"w": torch.zeros(64, 32), "b": torch.zeros(32), "steps": torch.tensor(7)}
+
+
+def test_the_running_mean_is_the_naive_mean_bit_for_bit() -> None:
+    deltas = _deltas(5)
+    running = RunningMean(MODEL)
+    for delta in deltas:
+        running.add(delta)
+    assert running.count == 5
+    streamed, naive = running.mean(), mean_delta(deltas)
+    assert set(streamed) == set(naive) == {"w", "b"}
+    for key in naive:
+        assert torch.equal(streamed[key], naive[key]) and streamed[key].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("delta", "why"),
+    [
+        ({"x": torch.zeros(3)}, "lacks"),
+        ({"steps": torch.zeros(())}, "lacks"),  # a non-floating key cannot be trained
+        ({"w": torch.zeros(32, 64)}, "shape"),
+        ({"w": torch.zeros(64, 32, dtype=torch.int32)}, "floating"),
+    ],
+)
+def test_a_delta_that_does_not_fit_the_model_is_refused_before_anything_is_added(
+    delta: dict[str, torch.Tensor], why: str
+) -> None:
+    running = RunningMean(MODEL)
+    running.add({"w": torch.ones(64, 32)})
+    with pytest.raises(DeltaRejected, match=why):
+        running.add({"b": torch.ones(32), **delta})
+    assert running.count == 1 and torch.equal(running.mean()["w"], torch.ones(64, 32))
+
+
+def test_the_folder_fetches_in_parallel_holds_at_most_its_bound_and_sorts_out_bad_deltas(
+    store: ArtifactServer, tmp_path: Path
+) -> None:
+    deltas = _deltas(6)
+    hashes = {}
+    for i, delta in enumerate(deltas):
+        write_delta(delta, str(tmp_path / "d.zst"))
+        store.publish(f"deltas/h{i}", tmp_path / "d.zst")
+        hashes[f"h{i}"] = state_hash(delta)
+    (tmp_path / "junk").write_bytes(b"not a delta at all")
+    store.publish("deltas/junk", tmp_path / "junk")
+    write_delta({"w": torch.zeros(3)}, str(tmp_path / "wrong.zst"))
+    store.publish("deltas/wrong", tmp_path / "wrong.zst")
+    seen = []
+    folder = DeltaFolder(
+        store, str(tmp_path / "scratch"), MODEL, parallel=4, in_memory=2, on_done=seen.append
+    )
+    for host, digest in hashes.items():
+        folder.submit(host, f"deltas/{host}", digest)
+    folder.submit("liar", "deltas/h0", hashes["h1"])  # a reported hash that is not the file's
+    folder.submit("junk", "deltas/junk", "sha256:00")
+    folder.submit("wrong", "deltas/wrong", state_hash({"w": torch.zeros(3)}))
+    folder.submit("gone", "deltas/never-uploaded", "sha256:00")
+    results = folder.results()
+    folder.close()
+    assert {h for h, r in results.items() if r.error is None} == set(hashes)
+    assert "reported hash" in (results["liar"].error or "")
+    assert "unreadable" in (results["junk"].error or "") and "unreadable" in (results["gone"].error or "")
+    assert "does not fit" in (results["wrong"].error or "")
+    assert len(seen) == 10 and 1 <= folder.peak_decoded <= 2
+    assert not list((tmp_path / "scratch").iterdir()), "fetched files are removed"
+    mean, naive = folder.mean.mean(), mean_delta(deltas)
+    for key in naive:  # folded in arrival order: equal up to the order of the additions
+        assert torch.allclose(mean[key], naive[key], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _checkpoint(round_done: int, scale: float) -> Checkpoint:
+    return Checkpoint(
+        round_done, 8, {"w": torch.full((4, 4), scale), "n": torch.tensor(round_done)},
+        {"w": torch.full((4, 4), -scale)}, {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+        {"code": "pass", "steps": 3}, {"a": {"state": "active"}}, [{"round_num": round_done}],
+    )  # fmt: skip
+
+
+def test_a_checkpoint_round_trips_and_only_the_last_one_is_kept(tmp_path: Path) -> None:
+    state = StateDir(tmp_path / "state")
+    assert not state.exists()
+    state.save(_checkpoint(2, 1.0))
+    state.save(_checkpoint(3, 2.0))
+    loaded = state.load()
+    assert loaded.round_done == 3 and loaded.total_rounds == 8
+    assert torch.equal(loaded.model["w"], torch.full((4, 4), 2.0)) and int(loaded.model["n"]) == 3
+    assert torch.equal(loaded.velocity["w"], torch.full((4, 4), -2.0))
+    assert loaded.session == {"code": "pass", "steps": 3} and loaded.members == {"a": {"state": "active"}}
+    assert loaded.global_hash == state_hash(loaded.model)
+    names = sorted(p.name for p in (tmp_path / "state").iterdir())
+    assert names == ["model-00003.safetensors", "outer-00003.safetensors", "state.json"]
+    state.update(round_done=3, history=[{"round_num": 3, "x": 1}])
+    assert state.load().history == [{"round_num": 3, "x": 1}]
+
+
+def test_a_crash_before_the_commit_point_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    state.save(_checkpoint(4, 1.0))
+    # A save that died after writing the next round's model, before state.json named it:
+    (tmp_path / "model-00005.safetensors").write_bytes(b"half a model")
+    assert state.load().round_done == 4
+    # A model file that no longer matches the hash state.json recorded is refused.
+    with open(tmp_path / "model-00004.safetensors", "r+b") as file:
+        file.seek(-4, os.SEEK_END)
+        file.write(b"\xff\xff\xff\x7f")
+    with pytest.raises(CheckpointError, match="does not hash"):
+        state.load()
+    (tmp_path / "state.json").write_text("{")
+    with pytest.raises(CheckpointError):
+        state.load()
+
+
+def test_the_round_in_flight_and_the_story_are_kept_beside_the_checkpoint(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    assert state.load_inflight() is None
+    state.save_inflight(5, {"a": "task-1", "b": "task-2"})
+    assert state.load_inflight() == (5, {"a": "task-1", "b": "task-2"})
+    state.clear_inflight()
+    assert state.load_inflight() is None
+    state.append_event({"event": "lost", "host": "a"})
+    state.append_event({"event": "rejoined", "host": "a"})
+    assert [e["event"] for e in state.events()] == ["lost", "rejoined"]
+
+
+def test_session_and_summary_survive_json() -> None:
+    session = Session(["a", "b"], [{"name": "data/s0"}], "code", params={"lr": 1}, quorum=0.5, min_hosts=2)
+    assert Session.from_json(json.loads(json.dumps(session.to_json()))) == session
+    summary = RoundSummary(3, {"a": 0.5}, ["a"], {"b": "lost"}, {"a": "delta"}, "sha256:x", 1.5, lost=["b"])
+    assert RoundSummary.from_json(json.loads(json.dumps(summary.to_json()))) == summary
+
+
+# ---------------------------------------------------------------- deadlines, lost hosts, membership
+
+
+class Beats:
+    """Heartbeat keys written the way a worker writes them (JSON, a short TTL), for hosts the
+    test names; a host whose beating stops expires like a dead worker's."""
+
+    def __init__(self, client: RoundClient, ttl_s: int = 1) -> None:
+        self.client, self.ttl_s = client, ttl_s
+        self.hosts: dict[str, dict] = {}
+        self.last: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def beat(self, host: str, **status: object) -> None:
+        self.hosts[host] = {"host_id": host, "state": "idle", "model_hash": None, "tenant": None, **status}
+        self._write(host)
+
+    def silence(self, host: str) -> float:
+        """Stop beating for ``host``; returns the time of its last beat."""
+        self.hosts.pop(host)
+        return self.last[host]
+
+    def _write(self, host: str) -> None:
+        now = time.time()
+        self.client.redis.set(heartbeat_key(host), json.dumps({**self.hosts[host], "ts": now}), ex=self.ttl_s)
+        self.last[host] = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            for host in list(self.hosts):
+                with contextlib.suppress(KeyError):
+                    self._write(host)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def beats(tmp_path: Path):
+    server = RedisServer(tmp_path / "redis").start()
+    client = RoundClient(Settings(broker_url=server.url, host_id="orch-unit"))
+    beats = Beats(client)
+    yield beats
+    beats.close()
+    server.stop()
+
+
+def stop_requested(client: RoundClient, task_id: str) -> bool:
+    return any(task_id in key.decode() for key in client.redis.scan_iter(match="roundhouse:stop:*"))
+
+
+def test_a_host_whose_heartbeat_expires_is_lost_within_the_ttl_plus_a_second(beats: Beats) -> None:
+    client = beats.client
+    beats.beat("a")
+    beats.beat("b")
+    # Nobody consumes these queues: the tasks stay pending, as on a host that died.
+    pending = {"a": client.run_round("a", steps=1), "b": client.run_round("b", steps=1)}
+    members = Membership(client, "t", max_hosts=2)
+    threading.Timer(0.5, lambda: silenced.append(beats.silence("b"))).start()
+    silenced: list[float] = []
+    outcomes = Waiter(client, members.alive).wait(pending, Deadline(deadline_s=4.0))
+    lost, late = outcomes["b"], outcomes["a"]
+    assert lost.ending is Ending.LOST and late.ending is Ending.STRAGGLER
+    assert lost.last_beat_ts is not None and lost.detected_ts is not None
+    assert abs(lost.last_beat_ts - silenced[0]) < 0.05
+    assert lost.detected_ts - lost.last_beat_ts <= beats.ttl_s + 1.0
+    assert "deadline" in (late.reason or "")
+    # Both were stopped through Redis: neither runs late, even if its worker comes back.
+    assert stop_requested(client, pending["a"].id) and stop_requested(client, pending["b"].id)
+
+
+def test_quorum_plus_grace_ends_a_round_and_stops_the_stragglers(beats: Beats) -> None:
+    client = beats.client
+    for host in ("a", "b", "c"):
+        beats.beat(host, state="running")
+    pending = {host: client.run_round(host, steps=1) for host in ("a", "b", "c")}
+    done = {"status": "completed", "delta": {"hash": "sha256:00"}, "report": {"final_loss": 0.5}}
+    client.app.backend.store_result(pending["a"].id, done, "SUCCESS")
+    client.app.backend.store_result(
+        pending["b"].id, {"status": "failed", "error": {"code": "gpu_oom"}}, "SUCCESS"
+    )
+    seen = []
+    started = time.monotonic()
+    waiter = Waiter(client, Membership(client, "t", max_hosts=3).alive)
+    outcomes = waiter.wait(pending, Deadline(60.0, quorum=0.3, grace_s=0.5), on_outcome=seen.append)
+    assert time.monotonic() - started < 5, "the grace after the quorum ended the round, not the deadline"
+    assert outcomes["a"].completed and round_failure(outcomes["a"]) is None
+    assert round_failure(outcomes["b"]) == "failed: gpu_oom"
+    assert outcomes["c"].ending is Ending.STRAGGLER and "quorum" in (outcomes["c"].reason or "")
+    assert [o.host for o in seen][:2] == ["a", "b"] and stop_requested(client, pending["c"].id)
+    assert Deadline(1, quorum=0.75).quorum_count(4) == 3 and Deadline(1).quorum_count(3) == 3
+    assert Deadline(1, quorum=0.01).quorum_count(8) == 1 and Deadline(1).quorum_count(0) == 0
+
+
+def test_membership_chooses_who_may_join_and_how(beats: Beats) -> None:
+    client = beats.client
+    beats.beat("free", state="idle")
+    beats.beat("theirs", state="loaded", tenant="other")  # someone else's session
+    beats.beat("ours", state="loaded", tenant="t", model_hash="sha256:old")
+    beats.beat("busy", state="running", tenant="t")
+    beats.beat("back", state="loaded", tenant="t", model_hash="sha256:old")
+    notes: list[tuple] = []
+    members = Membership(client, "t", max_hosts=3, note=lambda *a, **k: notes.append((*a, k)))
+    back = members.add("back", 0)
+    back.held_session = True
+    members.set("back", HostState.LOST, 1, "lost")
+    live = members.beats()
+    assert set(live) == {"free", "theirs", "ours", "busy", "back"}
+    # Former members first, then strangers that are idle or of this tenant; never a busy one.
+    assert members.candidates(live) == ["back", "free", "ours"]
+    assert join_kind(back, live["back"], "t") == "apply"  # holds this session: no load_model
+    assert join_kind(members.add("ours", 1), live["ours"], "t") == "load"  # never held it
+    members.set("back", HostState.ACTIVE, 2, "rejoined")
+    # "ours" is a member now, still to be synced: it comes before the strangers.
+    assert members.candidates(live) == ["ours", "free"] and members.active() == ["back"]
+    named = Membership(client, "t", max_hosts=5, allowed=["theirs"])
+    assert named.candidates(live) == ["theirs"]  # a named host is taken whoever loaded it
+    for _ in range(MAX_FAILURES):
+        members.failed("ours", 3, "hash_mismatch")
+    assert members.members["ours"].state is HostState.DROPPED
+    assert "ours" not in members.candidates(live)
+    assert members.alive(["back", "nobody"])["nobody"] is None
+    restored = Membership(client, "t", max_hosts=3)
+    restored.restore(json.loads(json.dumps(members.to_json())))
+    # After a restart nobody is active until it has shown what it holds.
+    assert restored.members["back"].state is HostState.RESYNC and restored.members["back"].held_session
+    assert restored.members["ours"].state is HostState.DROPPED
+    assert ("back", "lost", 1, {}) in notes
