@@ -282,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         orchestrator, held = train(args, get_settings(), console)
-    except (ValueError, RuntimeError, OSError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # bad arguments, no hosts, files
         console.print(f"[red]roundhouse train: {exc}[/]")
         return 2
+    except Exception as exc:  # Redis or the store away: the checkpoint is whole, resume later
+        again = f"; run it again with --state-dir {args.state_dir} to resume" if args.state_dir else ""
+        console.print(f"[red]roundhouse train stopped: {type(exc).__name__}: {exc}{again}[/]")
+        return 3
     return report(orchestrator, held, Path(args.out) / "loss.png", console, time.monotonic() - started)

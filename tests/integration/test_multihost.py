@@ -240,7 +240,7 @@ def print_stories(cluster: Cluster, story: list[dict[str, Any]]) -> None:
     for host in sorted({e["host"] for e in story if e["host"]} | set(cluster.workers)):
         print(f"--- {host}")
         told = [
-            (e["ts"], f"orchestrator: round {e['round']} {e['event']} {e.get('reason', '')}")
+            (e["ts"], f"orchestrator: round {e['round']} {e['event']} {e.get('reason', '')}{after_beat(e)}")
             for e in story if e["host"] == host
         ]  # fmt: skip
         marks = ("task-started", "task-finished")
@@ -250,3 +250,9 @@ def print_stories(cluster: Cluster, story: list[dict[str, Any]]) -> None:
         ]  # fmt: skip
         for _ts, line in sorted(told + tasks):
             print(f"  {line}")
+
+
+def after_beat(event: dict[str, Any]) -> str:
+    if event.get("detected_ts") is None or event.get("last_beat_ts") is None:
+        return ""
+    return f" ({event['detected_ts'] - event['last_beat_ts']:.2f} s after its last heartbeat)"
