@@ -131,10 +131,20 @@ class QuantTensor:
 # ---------------------------------------------------------------- encoding
 
 
-def quantize(values: torch.Tensor, scheme: QuantScheme) -> QuantTensor:
-    """The codes and scales of ``values`` (any floating dtype; read as float32)."""
+def quantize(
+    values: torch.Tensor, scheme: QuantScheme, *, dequantized: torch.Tensor | None = None
+) -> QuantTensor:
+    """The codes and scales of ``values`` (any floating dtype; read as float32).
+
+    ``dequantized`` (float32, ``values``' size): filled with what the codes stand for, bit for
+    bit what :func:`dequantize` returns (``float32(code) * scale``, computed from the same
+    integers and scales), without decoding the codes again: the writer's error feedback.
+    """
     flat = values.detach().to("cpu").reshape(-1)
     numel = flat.numel()
+    out = dequantized.view(-1) if dequantized is not None else None
+    if out is not None and (out.dtype != torch.float32 or out.numel() != numel):
+        raise ValueError("dequantized must be a float32 tensor of the values' size")
     codes = torch.empty(numel, dtype=torch.int8)
     scales = torch.empty(scheme.blocks(numel), dtype=scheme.scale_dtype)
     block = scheme.block_size
@@ -142,40 +152,50 @@ def quantize(values: torch.Tensor, scheme: QuantScheme) -> QuantTensor:
     for start in range(0, numel, step):
         stop = min(numel, start + step)
         first = start // block
-        codes[start:stop], scales[first : first + scheme.blocks(stop - start)] = _encode(
-            flat[start:stop].to(torch.float32), scheme
+        chunk_codes, chunk_scales = _encode(
+            flat[start:stop].to(torch.float32), scheme, out[start:stop] if out is not None else None
         )
+        codes[start:stop].copy_(chunk_codes)  # exact integers in float32: the cast is exact
+        scales[first : first + chunk_scales.numel()] = chunk_scales
     packed = pack_int4(codes) if scheme.bits == 4 else codes
     return QuantTensor(tuple(int(d) for d in values.shape), packed, scales)
 
 
-def _encode(chunk: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and stored scales of a run of whole blocks (the last one may be short)."""
+def _encode(
+    chunk: torch.Tensor, scheme: QuantScheme, dequantized: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (as float32 integers) and stored scales of a run of whole blocks (the last may be short)."""
     count, block = chunk.numel(), scheme.block_size
     blocks = scheme.blocks(count)
     padded = chunk if blocks * block == count else torch.nn.functional.pad(chunk, (0, blocks * block - count))
     grid = padded.view(blocks, block)
-    absmax = grid.abs().amax(dim=1)  # nan if the block holds one
+    low, high = torch.aminmax(grid, dim=1)  # one pass; nan if the block holds one
+    absmax = torch.maximum(high, low.neg_()).add_(0.0)  # + 0.0: a zero block's -0.0 is +0.0
     if not bool(torch.isfinite(absmax).all()):
         raise ValueError("a quantised delta cannot hold inf or nan")
     stored = absmax.div_(scheme.qmax).to(scheme.scale_dtype)
     if scheme.scale_dtype == torch.float16:
         stored.clamp_(max=FLOAT16_MAX)  # an overflow to inf becomes the largest float16
-    wide = stored.to(torch.float32)
-    codes = (grid / wide.unsqueeze(1)).round_().clamp_(-scheme.qmax, scheme.qmax)
+    wide = stored.to(torch.float32).unsqueeze(1)
+    codes = torch.div(grid, wide).round_().clamp_(-scheme.qmax, scheme.qmax)
     zero = wide == 0  # there the quotient is nan or inf: the codes are 0
     if bool(zero.any()):
-        codes.masked_fill_(zero.unsqueeze(1), 0.0)
-    return codes.view(-1)[:count].to(torch.int8), stored
+        codes.masked_fill_(zero, 0.0)
+    if dequantized is not None:
+        # The codes are exact integers in float32, so this is the decoder's product, once a code
+        # that rounded to -0.0 is +0.0 (as the integer 0 is): x + 0.0 changes nothing else.
+        flat = codes.add_(0.0).view(-1)[:count]
+        torch.mul(flat, wide.expand(blocks, block).reshape(-1)[:count], out=dequantized)
+    return codes.view(-1)[:count], stored
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Signed int4 codes (int8 in [-8, 7]) two a byte: element 2j low nibble, 2j+1 high."""
-    nibbles = (codes.to(torch.int16) & 0xF).to(torch.uint8)
+    nibbles = codes.view(torch.uint8) & 0xF  # the low four bits of the two's complement
     if nibbles.numel() % 2:
-        nibbles = torch.cat([nibbles, torch.zeros(1, dtype=torch.uint8)])
+        nibbles = torch.nn.functional.pad(nibbles, (0, 1))
     pairs = nibbles.view(-1, 2)
-    return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous()
+    return pairs[:, 0] | (pairs[:, 1] << 4)
 
 
 def unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:

@@ -112,11 +112,11 @@ def write_quantized_result(
                 previous = feedback.previous(name, shapes[name]) if feedback is not None else None
                 if previous is not None:
                     value.add_(previous)
+                dequantized = torch.empty_like(value)
                 try:
-                    qt = quantize(value, scheme)
+                    qt = quantize(value, scheme, dequantized=dequantized)
                 except ValueError:
                     raise ValueError(f"trained {name!r} has inf or nan: it cannot be quantised") from None
-                dequantized = dequantize(qt, scheme, repr(name))
                 stream.put(name, qt, dequantized)
                 if feedback is not None:
                     feedback.put(name, value.sub_(dequantized))

@@ -115,6 +115,18 @@ def test_encoder_and_decoder_match_their_definition_bit_for_bit(scheme: QuantSch
     assert bytes(tensor_bytes(decoded.reshape(-1))) == expected.tobytes()
 
 
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.name}-b{s.block_size}-{s.scale_dtype}")
+def test_the_writers_dequantized_values_are_the_decoders(scheme: QuantScheme) -> None:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1000, generator=g) * 3
+    x[::7] = -1e-4  # small negatives whose codes round to -0.0 in float32: decoded as +0.0
+    x[:64] = 0.0
+    out = torch.empty_like(x)
+    qt = D.quantize(x, scheme, dequantized=out)
+    assert same_bits(out, D.dequantize(qt, scheme))
+    assert same_bits(D.quantize(x, scheme).codes, qt.codes)
+
+
 def _unpack_numpy(packed: np.ndarray, numel: int) -> np.ndarray:
     low, high = packed & 0xF, packed >> 4
     nibbles = np.stack([low, high], axis=1).reshape(-1)[:numel].astype(np.int16)
