@@ -107,12 +107,13 @@ def write_quantized_result(
         with atomic_writer(path) as raw, _quant_stream(raw, scheme, shapes, compressor) as stream:
             for name in names:
                 original = read_tensor(file, header, header.specs[name]).to(torch.float32)
-                value = trained[name].detach().to("cpu", torch.float32) - original
+                # contiguous: a transposed trained tensor must flatten in the model's row-major order
+                value = (trained[name].detach().to("cpu", torch.float32) - original).contiguous()
                 del original
                 previous = feedback.previous(name, shapes[name]) if feedback is not None else None
                 if previous is not None:
                     value.add_(previous)
-                dequantized = torch.empty_like(value)
+                dequantized = torch.empty(value.shape, dtype=torch.float32)
                 try:
                     qt = quantize(value, scheme, dequantized=dequantized)
                 except ValueError:

@@ -496,6 +496,25 @@ def test_without_error_feedback_each_round_stands_alone(served, tmp_path: Path) 
         ex.shutdown()
 
 
+def test_a_transposed_trained_tensor_is_quantised_in_row_major_order(tmp_path: Path) -> None:
+    model = tmp_path / "m.safetensors"
+    original = {"w": torch.zeros(6, 10)}
+    with open(model, "wb") as file:
+        write_state(file, original)
+    trained = {"w": torch.randn(10, 6).t()}  # not contiguous
+    scheme = QuantScheme.named("int8", 8)
+    feedback = D.ErrorFeedback(str(tmp_path))
+    with feedback.next_round() as residual:
+        info = D.write_result_delta(
+            str(model), trained, str(tmp_path / "d.zst"), dtype=scheme, feedback=residual
+        )
+        residual.commit()
+    expected = D.dequantize(D.quantize(trained["w"].contiguous(), scheme), scheme)
+    assert same_bits(D.read_delta(str(tmp_path / "d.zst"))["w"], expected)
+    assert info.hash == D.state_hash({"w": expected}) and info.dtype == "int8"
+    assert same_bits(feedback.load()["w"], trained["w"].contiguous() - expected)
+
+
 def test_a_non_finite_trained_state_fails_the_round_not_the_worker(served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     server, _root = served
     ex = Executor(lambda _s: None, lambda _l: None, settings=quant_settings(tmp_path))
