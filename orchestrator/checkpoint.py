@@ -37,7 +37,7 @@ STATE = "state.json"
 INFLIGHT = "inflight.json"
 EVENTS = "events.jsonl"
 VERSION = 1
-_ROUND_FILE = re.compile(r"^(model|outer)-(\d+)\.safetensors$")
+_ROUND_FILE = re.compile(r"^(model|outer)-(-?\d+)\.safetensors$")  # -1: the initial model
 
 
 class CheckpointError(Exception):
