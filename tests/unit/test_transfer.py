@@ -820,3 +820,36 @@ def test_changed_file_restarts_a_ranged_resume(server: FaultServer, root: Path, 
     # new ETag cancels the other, which may not have sent its request yet).
     assert {MIB, 3 * MIB} & {r.range_start() for r in server.requests}
     assert _sha256(dest) == digest
+
+
+# ------------------------------------------------------- following a split download
+
+
+def test_a_split_download_in_many_segments_is_hashed_as_its_front_lands(
+    server: FaultServer, root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # More segments than connections, taken in file order: the sha256 and a digest given with
+    # ``follow`` follow the gapless front, so the file is not read a second time.
+    import executor.transfer._local as local_module
+    import executor.transfer._ranged as ranged_module
+
+    def second_pass(*_args: object, **_kwargs: object) -> str:
+        raise AssertionError("the file was hashed again after the download")
+
+    monkeypatch.setattr(local_module, "hash_file", second_pass)
+    monkeypatch.setattr(ranged_module, "SEGMENT_MAX_BYTES", 1 * MIB)
+    digest = _write_random(root / "s.bin", 12 * MIB + 12345)
+    # One reset mid-segment too: the segment resumes and the front still arrives whole.
+    server.add_fault("s.bin", "reset", range_start_min=5 * MIB, after_bytes=300_000, delay_s=0.1)
+    result = fetch(
+        server.url("s.bin"),
+        str(out / "s"),
+        config=_parallel_config(3),
+        sha256=digest,
+        follow=hashlib.blake2b,  # any digest of the bytes in order
+    )
+    assert result.connections == 3 and result.sha256 == digest == _sha256(out / "s")
+    assert result.followed == hashlib.blake2b((out / "s").read_bytes()).hexdigest()
+    ranged = sorted(r.range_start() or 0 for r in server.requests if r.range_header)
+    assert len(ranged) >= 12, ranged  # 13 segments of 1 MiB, the first on the probe's response
+    _no_leftovers(out / "s")
