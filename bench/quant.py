@@ -51,14 +51,15 @@ from orchestrator.artifacts import ArtifactServer
 from orchestrator.diloco import OuterOptimizer, mean_delta
 from settings import Settings
 
-# (delta dtype, error feedback, block size): the default block (Settings), and int8 with 128.
+# (delta dtype, error feedback, block size): the default block (Settings), and int8 with 64.
+_BLOCK = int(Settings.model_fields["quant_block_size"].default)
 RUNS = (
-    ("float16", False, 64),
+    ("float16", False, _BLOCK),
+    ("int8", True, _BLOCK),
+    ("int8", False, _BLOCK),
+    ("int4", True, _BLOCK),
+    ("int4", False, _BLOCK),
     ("int8", True, 64),
-    ("int8", False, 64),
-    ("int4", True, 64),
-    ("int4", False, 64),
-    ("int8", True, 128),
 )
 LOSS_TOLERANCE = 0.02
 BYTES_TARGET = 0.55

@@ -136,7 +136,7 @@ class Settings(BaseSettings):
     # Quantised trained deltas ("int8", "int4"): values in blocks of this many, each block with
     # its absmax scale stored as this dtype (issue 16). A block of at least 2 keeps a quantised
     # delta within the float32 cap of every delta decode.
-    quant_block_size: int = Field(default=64, ge=2, le=1 << 20)
+    quant_block_size: int = Field(default=128, ge=2, le=1 << 20)
     quant_scale_dtype: Literal["float32", "float16"] = "float32"
     # Error feedback: what quantising a round's delta dropped is added to the next round's.
     quant_error_feedback: bool = True
