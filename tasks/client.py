@@ -33,6 +33,8 @@ from tasks.names import (
     queue_name,
     stream_name,
 )
+from tasks.signed_app import SignedCelery
+from tasks.signing import NO_KEY, SigningError
 
 
 def redacted(value: Any) -> Any:
@@ -50,8 +52,10 @@ class RoundClient:
     def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
         self.settings = settings or get_settings()
         if app is None:
-            app = Celery("roundhouse-client", set_as_current=False)
-            app.conf.update(celery_config(self.settings))
+            # Signs what it sends when the settings name a signing key (DESIGN §11).
+            signed = SignedCelery("roundhouse-client", set_as_current=False)
+            signed.conf.update(celery_config(self.settings))
+            app = signed.use_settings(self.settings)
         self.app = app
         self.redis = redis.Redis.from_url(
             self.settings.redis_events_url, socket_timeout=10, socket_connect_timeout=5
@@ -177,7 +181,10 @@ class RoundClient:
         target = host or self._hosts_of.get(task_id)
         if target is None:
             raise ValueError(f"which host runs {task_id}? pass host=")
-        send_stop(self.redis, target, task_id)
+        security = getattr(self.app, "roundhouse_security", None)
+        if security is not None and security.signer is None:
+            raise SigningError(NO_KEY)
+        send_stop(self.redis, target, task_id, security.signer if security is not None else None)
 
     # ------------------------------------------------------------ events
 

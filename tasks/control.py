@@ -20,9 +20,11 @@
    worker) cancels its requests with SIGTERM through the same ``terminate_job``, and those
    must die and be redelivered, not end as "stopped". Requests that were not revoked keep
    Celery's SIGTERM, and so does a SIGTERM sent to the child from outside.
-3. :meth:`tasks.client.RoundClient.stop` — a key ``roundhouse:stop:<task_id>`` and a
+3. :meth:`tasks.client.RoundClient.stop` — a key ``roundhouse:stop:<host>:<task_id>`` and a
    message on ``roundhouse:control:<host>``, watched by a thread in the child
-   (:class:`StopWatcher`), so it works whatever the broker is doing.
+   (:class:`StopWatcher`), so it works whatever the broker is doing. On the signed control
+   plane both hold a signed stop token naming the host and the task (``tasks.signing``);
+   the child acts only on one that verifies against its trust store.
 
 In the child the signal handler only writes one byte to a pipe (nothing else is safe
 in a handler that may interrupt a lock holder); a thread reads it and acts.
@@ -45,6 +47,7 @@ from celery.worker import state as worker_state
 
 from settings import get_settings
 from tasks.names import control_channel, stop_key
+from tasks.signing import Refused, Signer, stop_token
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +55,14 @@ STOP_SIGNAL = signal.SIGUSR2
 STOP_KEY_TTL_S = 24 * 3600
 
 
-def send_stop(client: redis.Redis, host_id: str, task_id: str) -> None:
-    """Path 3: ask ``host_id`` to stop ``task_id`` through Redis (before or after it started)."""
-    client.set(stop_key(task_id), "1", ex=STOP_KEY_TTL_S)
-    client.publish(control_channel(host_id), task_id)
+def send_stop(client: redis.Redis, host_id: str, task_id: str, signer: Signer | None = None) -> None:
+    """Path 3: ask ``host_id`` to stop ``task_id`` through Redis (before or after it started).
+
+    With a signer both the key and the message are a signed token (the signed control
+    plane); without, the key holds ``1`` and the message is the task id."""
+    token = stop_token(signer, host_id, task_id) if signer is not None else None
+    client.set(stop_key(host_id, task_id), token or "1", ex=STOP_KEY_TTL_S)
+    client.publish(control_channel(host_id), token or task_id)
 
 
 class StopMailbox:
@@ -196,21 +203,50 @@ class SignalPipe:
 
 
 class StopWatcher:
-    """Child: watches ``roundhouse:control:<host>`` and calls ``on_stop(task_id)``."""
+    """Child: watches ``roundhouse:control:<host>`` and calls ``on_stop(task_id)``.
 
-    def __init__(self, redis_url: str, host_id: str, on_stop: Callable[[str], None]) -> None:
+    With ``verify`` (the signed control plane) a stop counts only when ``verify(token)``
+    returns its task id; a token it refuses goes to ``on_refused``."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        host_id: str,
+        on_stop: Callable[[str], None],
+        *,
+        verify: Callable[[bytes], str] | None = None,
+        on_refused: Callable[[Refused], None] | None = None,
+    ) -> None:
         self._client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, health_check_interval=15)
+        self._host = host_id
         self._channel = control_channel(host_id)
         self._on_stop = on_stop
+        self._verify = verify
+        self._on_refused = on_refused
         self._thread = threading.Thread(target=self._run, name="roundhouse-stop-watch", daemon=True)
         self._thread.start()
 
     def requested(self, task_id: str) -> bool:
         """Whether a stop for ``task_id`` was sent before we were listening (False if Redis is away)."""
         try:
-            return bool(self._client.exists(stop_key(task_id)))
+            value = self._client.get(stop_key(self._host, task_id))
         except redis.RedisError:
             return False
+        if value is None or self._verify is None:
+            return value is not None
+        return self._task_of(value if isinstance(value, bytes) else value.encode()) == task_id
+
+    def _task_of(self, data: bytes) -> str | None:
+        """The task a stop message names (None: refused)."""
+        if self._verify is None:
+            return data.decode(errors="replace")
+        try:
+            return self._verify(data)
+        except Refused as refusal:
+            logger.warning("refused stop request: %s", refusal)
+            if self._on_refused is not None:
+                self._on_refused(refusal)
+            return None
 
     def _run(self) -> None:
         delay = 0.1
@@ -221,8 +257,8 @@ class StopWatcher:
                 delay = 0.1
                 for message in pubsub.listen():
                     data = message.get("data")
-                    if isinstance(data, bytes):
-                        self._on_stop(data.decode())
+                    if isinstance(data, bytes) and (task_id := self._task_of(data)) is not None:
+                        self._on_stop(task_id)
             except redis.RedisError as exc:
                 logger.debug("stop watcher lost Redis (%s); reconnecting", exc)
             except Exception:

@@ -12,16 +12,28 @@ the tests all take them from here.
 - events (§5): channel ``roundhouse:events:<host_id>``, capped stream
   ``roundhouse:events:<host_id>:log``, seq counter ``roundhouse:events:<host_id>:seq``, and
   one last-sent marker per publisher, ``roundhouse:events:<host_id>:last:<publisher>``
-- stop through Redis (§6): key ``roundhouse:stop:<task_id>`` and channel
-  ``roundhouse:control:<host_id>``
+- stop through Redis (§6): key ``roundhouse:stop:<host_id>:<task_id>`` and channel
+  ``roundhouse:control:<host_id>`` (per host, so that an ACL can give each worker only its own)
+- the control plane (§11): the kwarg ``roundhouse_envelope`` that a signed task carries in
+  its signed body (also in a signed control command's ``arguments``), and the replay record
+  of each signed message a worker admitted, ``roundhouse:nonce:<host_id>:<nonce>``
+- kombu's own keys, per host where kombu allows it: the worker's queue list
+  ``roundhouse.<host_id>`` (one priority step, so one key), its in-flight messages
+  ``roundhouse:unacked:<host_id>``, ``roundhouse:unacked_index:<host_id>``,
+  ``roundhouse:unacked_mutex:<host_id>`` (:func:`unacked_keys`, defined in ``settings``);
+  shared: ``_kombu.binding.*``, ``celery-task-meta-<task_id>`` (results, key and channel),
+  the pub/sub channels ``/<db>.celery.pidbox`` and ``/<db>.celeryev/*``, and the reply
+  queues ``<uuid>.reply.celery.pidbox`` (deploy/redis/README.md lists who needs what)
 """
 
 from __future__ import annotations
 
 from settings import queue_name
+from settings.celery import unacked_keys
 
 __all__ = [
     "APPLY_DELTA",
+    "ENVELOPE_KEY",
     "HEARTBEAT_PATTERN",
     "LOAD_MODEL",
     "RESET",
@@ -32,10 +44,12 @@ __all__ = [
     "control_channel",
     "heartbeat_key",
     "last_sent_key",
+    "nonce_key",
     "queue_name",
     "seq_key",
     "stop_key",
     "stream_name",
+    "unacked_keys",
 ]
 
 LOAD_MODEL = "roundhouse.load_model"
@@ -44,6 +58,9 @@ APPLY_DELTA = "roundhouse.apply_delta"
 RESET = "roundhouse.reset"
 STATUS = "roundhouse.status"
 TASK_NAMES = (LOAD_MODEL, RUN_ROUND, APPLY_DELTA, RESET, STATUS)
+
+# What a signed message binds inside its signed body (see tasks/signing.py).
+ENVELOPE_KEY = "roundhouse_envelope"
 
 
 def heartbeat_key(host_id: str) -> str:
@@ -74,8 +91,14 @@ def last_sent_key(host_id: str, publisher: str) -> str:
     return f"roundhouse:events:{host_id}:last:{publisher}"
 
 
-def stop_key(task_id: str) -> str:
-    return f"roundhouse:stop:{task_id}"
+def stop_key(host_id: str, task_id: str) -> str:
+    """A stop request for ``task_id`` on ``host_id`` (readable by that worker alone)."""
+    return f"roundhouse:stop:{host_id}:{task_id}"
+
+
+def nonce_key(host_id: str, nonce: str) -> str:
+    """What ``host_id`` remembers of one signed message it admitted (its replay guard)."""
+    return f"roundhouse:nonce:{host_id}:{nonce}"
 
 
 def control_channel(host_id: str) -> str:

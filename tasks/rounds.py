@@ -31,6 +31,9 @@ class RoundTask(Task):
     :func:`register`."""
 
     typing = True
+    # The MainProcess's request: on a signed worker it hands the child the verified body
+    # without its envelope, and retries a lost child's task by redelivering the signed message.
+    Request = "tasks.gate:GatedRequest"
     acks_late = True
     reject_on_worker_lost = True
     retry_on_worker_lost = True

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
 from tasks.metrics import WorkerMetrics
 from tasks.names import heartbeat_key
+from tasks.signing import Refused, load_security, open_stop_token
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,12 @@ class ChildRuntime:
         self.rehydrated = self.executor.rehydrate()
         self.mailbox = StopMailbox(mailbox_dir(settings.work_dir, settings.host_id))
         self.signals = SignalPipe(self._on_signal)
-        self.watcher = StopWatcher(settings.redis_events_url, settings.host_id, self._on_remote_stop)
+        self.watcher = StopWatcher(
+            settings.redis_events_url,
+            settings.host_id,
+            self._on_remote_stop,
+            **stop_verification(settings, self.emit),
+        )
         self._redis = redis.Redis.from_url(
             settings.redis_events_url, socket_timeout=2, socket_connect_timeout=2
         )
@@ -214,6 +220,24 @@ class ChildRuntime:
             except Exception as exc:  # a heartbeat must never take the child down
                 logger.debug("heartbeat failed: %s", exc)
             time.sleep(self.settings.heartbeat_interval_s)
+
+
+def stop_verification(settings: Settings, emit: Callable[[str, dict[str, Any]], None]) -> dict[str, Any]:
+    """On the signed control plane, a Redis stop request counts only when it verifies."""
+    security = load_security(settings)
+    if security is None or security.verifier is None:
+        return {}
+    verifier = security.verifier
+    verifier.register()  # this process decodes what its parent did not hand it decoded
+
+    def verify(token: bytes) -> str:
+        return open_stop_token(verifier, token, settings.host_id)
+
+    def on_refused(refusal: Refused) -> None:
+        detail = {"kind": "stop", "reason": refusal.reason, "detail": refusal.detail}
+        emit("state", {"event": "refused", **detail})
+
+    return {"verify": verify, "on_refused": on_refused}
 
 
 def gpu_info(settings: Settings) -> dict[str, Any]:

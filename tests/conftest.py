@@ -6,12 +6,29 @@ the suite listens on loopback (``FaultServer``, nginx, the orchestrator's
 ``ROUNDHOUSE_URL_ALLOW``. ``file://`` stays closed: a test that reads or writes local URLs
 names its own roots (``Settings(file_roots=...)``). The tests of the policy itself build
 their settings explicitly and so are not affected.
+
+The session also runs signed (below): one development key directory for the whole run.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Set at import, before any test module reads Settings or starts a worker.
 os.environ["ROUNDHOUSE_URL_ALLOW"] = "127.0.0.1,::1"
 os.environ.pop("ROUNDHOUSE_FILE_ROOTS", None)
+
+# The signed control plane (DESIGN §11), as deployed: every worker the suite starts trusts the
+# session's development orchestrator certificate and nothing else, and every client of the
+# test process (RoundClient, Celery apps from Settings) signs with its key. Tests of the
+# unsigned plane, or of other keys, say so in their own Settings.
+from tasks.keys import init_keys  # after the settings above (it builds no app)
+
+SESSION_KEYS, _ = init_keys(tempfile.mkdtemp(prefix="roundhouse-test-keys-") + "/keys")
+os.environ["ROUNDHOUSE_TRUSTED_CERTS"] = str(SESSION_KEYS.trusted)
+os.environ["ROUNDHOUSE_SIGNING_KEY"] = str(SESSION_KEYS.signing_key())
+os.environ["ROUNDHOUSE_SIGNING_CERT"] = str(SESSION_KEYS.signing_cert())
+os.environ["ROUNDHOUSE_TLS_CA_FILE"] = str(SESSION_KEYS.ca_cert)
+for _name in ("ROUNDHOUSE_KEYS_DIR", "ROUNDHOUSE_INSECURE"):
+    os.environ.pop(_name, None)

@@ -29,6 +29,7 @@ from executor.delta import state_hash
 from orchestrator.local import LocalWorker
 from settings import Settings
 from tasks.client import RoundClient
+from tasks.names import unacked_keys
 from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer, free_port
@@ -112,11 +113,14 @@ def received(worker: LocalWorker, task_id: str) -> int:
 
 
 def unacked_since(client: RoundClient, task_id: str) -> float | None:
-    """When kombu delivered ``task_id`` if its message is still unacknowledged, else None."""
-    for tag, raw in client.redis.hgetall("unacked").items():
-        if task_id.encode() in raw:
-            score = client.redis.zscore("unacked_index", tag)
-            return None if score is None else float(score)
+    """When kombu delivered ``task_id`` if its message is still unacknowledged, else None
+    (each worker keeps its in-flight messages under its own keys: ``unacked_keys``)."""
+    for key in client.redis.scan_iter(match=unacked_keys("*")["unacked_key"]):
+        host = key.decode().rsplit(":", 1)[1]
+        for tag, raw in client.redis.hgetall(key).items():
+            if task_id.encode() in raw:
+                score = client.redis.zscore(unacked_keys(host)["unacked_index_key"], tag)
+                return None if score is None else float(score)
     return None
 
 

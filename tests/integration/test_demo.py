@@ -1,4 +1,5 @@
-"""``roundhouse demo`` as a user runs it: embedded Redis, two real workers, a falling loss, a plot."""
+"""``roundhouse demo`` as a user runs it: embedded Redis, two real workers, a falling loss, a plot;
+signed with development keys it makes when missing, its Redis over TLS on loopback."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tasks.embedded_redis import tls_binary
+from tasks.keys import DevKeys
 from tests.support.worker import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,6 +27,10 @@ def test_demo_trains_and_plots(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "loss fell from" in run.stdout and "every worker holds the orchestrator's model" in run.stdout
+    over = "TLS" if tls_binary() is not None else "plain"
+    assert f"Redis: {over}, loopback only" in run.stdout, run.stdout[-2000:]
+    assert "control plane: signed with the keys in" in run.stdout, run.stdout[-2000:]
+    assert DevKeys(REPO / "var" / "keys").complete()
     png = out / "loss.png"
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size[0] >= 400 and image.size[1] >= 300

@@ -1,4 +1,5 @@
-"""The Procfile, run for real under honcho: embedded Redis, a worker, Flower; a round through it."""
+"""The Procfile, run for real under honcho: embedded Redis over TLS, a worker, Flower, all on
+the signed control plane of its development keys (made when missing); a round through it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from safetensors.torch import save_file
 
 from settings import Settings
 from tasks.client import RoundClient
+from tasks.embedded_redis import tls_binary
+from tasks.keys import DevKeys
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import free_port
@@ -35,12 +38,22 @@ def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no
     raise TimeoutError(what)
 
 
+@pytest.mark.skipif(tls_binary() is None, reason="no redis-server with TLS (apt-get install redis-server)")
 def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
     redis_port, flower_port = free_port(), free_port()
-    broker = f"redis://127.0.0.1:{redis_port}/0"
+    broker = f"rediss://127.0.0.1:{redis_port}/0"
+    keys = DevKeys(tmp_path / "keys")  # none yet: the Procfile's processes make them
     venv_bin = str(Path(os.sys.executable).parent)
+    # The session's own keys are not the stack's: the Procfile wires its processes itself.
+    session = (
+        "ROUNDHOUSE_TRUSTED_CERTS",
+        "ROUNDHOUSE_SIGNING_KEY",
+        "ROUNDHOUSE_SIGNING_CERT",
+        "ROUNDHOUSE_TLS_CA_FILE",
+    )
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in session},
+        "ROUNDHOUSE_KEYS_DIR": str(keys.root),
         "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
         "ROUNDHOUSE_REDIS_PORT": str(redis_port),
         "ROUNDHOUSE_REDIS_DIR": str(tmp_path / "redis"),
@@ -62,8 +75,22 @@ def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
     save_file(mlp_state(), str(root / "model.safetensors"))
     shards = make_shards(root)
     try:
-        client = RoundClient(Settings(broker_url=broker, host_id="procfile-client"))
+        wait_for(lambda: keys.complete(), 60, "no development keys")
+        orchestrator = {"signing_key": str(keys.signing_key()), "signing_cert": str(keys.signing_cert())}
+        client = RoundClient(
+            Settings(
+                broker_url=broker, host_id="procfile-client", tls_ca_file=str(keys.ca_cert), **orchestrator
+            )
+        )
         wait_for(lambda: client.heartbeat("procfile") is not None, 120, "no worker heartbeat")
+        # TLS only, with the keys' CA: a plain connection to the port gets nothing.
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(port=redis_port, socket_connect_timeout=2, socket_timeout=2).ping()
+        unsigned = RoundClient(
+            Settings(broker_url=broker, host_id="procfile-unsigned", tls_ca_file=str(keys.ca_cert),
+                     trusted_certs=None, signing_key=None, signing_cert=None)
+        )  # fmt: skip
+        ignored = unsigned.status("procfile")
         with FaultServer(root) as server:
             descriptors = shard_descriptors(server, shards)
             client.load_model("procfile", server.url("model.safetensors"), descriptors, TRAIN_CODE).get(
@@ -71,7 +98,14 @@ def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
             )
             result = client.run_round("procfile", steps=3).get(timeout=120)
         assert result["status"] == "completed", result
-        # The demo against the Procfile's stack (its broker, its running worker).
+        assert ignored.state == "PENDING", "an unsigned task ran on the Procfile's worker"
+        refused = [
+            e.data for e in client.events("procfile", idle_timeout_s=1) if e.data.get("event") == "refused"
+        ]
+        assert [r["reason"] for r in refused] == ["unsigned"], refused
+        # The demo against the Procfile's stack (its broker, its running worker), which takes
+        # only a host that is idle or already its tenant's: end this test's session first.
+        client.reset("procfile").get(timeout=60)
         demo = subprocess.run(
             [os.path.join(venv_bin, "roundhouse"), "demo", "--workers", "1", "--rounds", "2", "--steps", "10",
              "--out", str(tmp_path / "demo")],

@@ -16,6 +16,10 @@ import pytest
 import torch
 import zstandard
 from celery import Celery
+from celery.security.certificate import Certificate
+from celery.security.key import PrivateKey
+from celery.security.serialization import SecureSerializer
+from kombu.serialization import registry
 from safetensors.torch import save_file
 
 from executor.delta import make_sync_delta, read_delta, state_hash, write_delta
@@ -72,9 +76,15 @@ def worker(redis_server: RedisServer, shared_cache: Path, tmp_path_factory: pyte
 
 @pytest.fixture(scope="module")
 def plain_celery(redis_server: RedisServer) -> Celery:
-    """A client that imports nothing of the project: names, JSON, a queue."""
+    """A client that imports nothing of the project: names, JSON results, a queue, and for the
+    signed control plane Celery's own auth serializer with the orchestrator's key (the
+    session's, tests/conftest.py) plus the envelope that DESIGN §11 documents (:func:`send`)."""
+    key, cert = Path(os.environ["ROUNDHOUSE_SIGNING_KEY"]), Path(os.environ["ROUNDHOUSE_SIGNING_CERT"])
+    signing = (PrivateKey(key.read_text()), Certificate(cert.read_text()))
+    signer = SecureSerializer(*signing, None, "sha256", "json")
+    registry.register("auth-plain", signer.serialize, None, "application/data", "utf-8")
     app = Celery("plain", broker=redis_server.url, backend=redis_server.url)
-    app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json")
+    app.conf.update(task_serializer="auth-plain", accept_content=["json"], result_serializer="json")
     return app
 
 
@@ -84,7 +94,14 @@ def client(redis_server: RedisServer) -> RoundClient:
 
 
 def send(app: Celery, host: str, name: str, **kwargs: object):  # type: ignore[no-untyped-def]
-    return app.send_task(name, kwargs=kwargs, queue=f"roundhouse.{host}")
+    task_id, queue, now = str(uuid.uuid4()), f"roundhouse.{host}", time.time()
+    envelope = {
+        "v": 1, "task": name, "id": task_id, "queue": queue, "iat": now, "exp": now + 600,
+        "nonce": uuid.uuid4().hex, "eta": None, "expires": None, "timelimit": [None, None],
+        "ignore_result": None,
+    }  # fmt: skip
+    signed = {**kwargs, "roundhouse_envelope": envelope}
+    return app.send_task(name, kwargs=signed, queue=queue, task_id=task_id)
 
 
 def count_gets(server: FaultServer, name: str) -> int:

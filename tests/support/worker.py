@@ -13,6 +13,10 @@ TEST_ENV = {
     "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "0.5",
     "ROUNDHOUSE_HEARTBEAT_TTL_S": "5",
     "ROUNDHOUSE_METRICS_PORT": "0",
+    # A worker verifies, it does not sign: it gets the session's trust store (tests/conftest.py),
+    # not the orchestrator's key.
+    "ROUNDHOUSE_SIGNING_KEY": "",
+    "ROUNDHOUSE_SIGNING_CERT": "",
 }
 
 

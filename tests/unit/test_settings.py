@@ -20,7 +20,11 @@ def test_environment_prefix_and_types(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_celery_config_is_json_only_one_at_a_time_and_long_visibility() -> None:
-    config = celery_config(Settings(broker_url="redis://r:6379/0", visibility_timeout_s=86400 * 3))
+    # The unsigned control plane (the session's keys cleared); the signed one: tests/unit/test_signing.py.
+    unsigned = {"trusted_certs": None, "signing_key": None, "signing_cert": None}
+    config = celery_config(
+        Settings(broker_url="redis://r:6379/0", visibility_timeout_s=86400 * 3, **unsigned)
+    )
     assert config["accept_content"] == ["json"] and config["result_accept_content"] == ["json"]
     assert config["task_serializer"] == config["result_serializer"] == "json"
     assert config["worker_prefetch_multiplier"] == 1 and config["worker_disable_prefetch"] is True
