@@ -132,6 +132,9 @@ def proxy_main(listen: str, port: int, target: int, percent: float, seed: int) -
                     limit, sent = state
                 if limit is not None and sent is not None and sent > limit:
                     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    # Wake the other thread's recv first: a socket closed while another thread
+                    # still reads it is released (and the RST sent) only when that read returns.
+                    client.shutdown(socket.SHUT_RD)
                     print("reset", flush=True)
                     break
         except OSError:
