@@ -65,8 +65,9 @@ def worker_command(
         "-c",
         "1",
         "-E",
-        # Gossip leaves a celeryev.* list per worker behind, and mingle asks every other
-        # worker at start-up: neither scales to many workers (docs/BENCHMARKS.md).
+        # Gossip subscribes every worker to every other's events (traffic that grows with the
+        # square of the workers) and mingle asks them all at start-up: neither is needed here,
+        # and a signed worker cannot say hello (docs/BENCHMARKS.md, "Idle workers in Redis").
         "--without-gossip",
         "--without-mingle",
         "-Q",
