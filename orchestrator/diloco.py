@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from executor.delta import make_sync_delta, state_hash, write_delta
+from executor.delta import SyncFeedback, state_hash, write_delta
 from executor.fileio import atomic_writer
 from executor.tensorfile import write_state
 from orchestrator.aggregate import DeltaFolder
@@ -158,6 +158,7 @@ class Session:
     batch_size: int = 32
     tenant: str = "default"
     delta_dtype: str = "float16"
+    sync_delta_dtype: str = "float16"  # or "int8" / "int4": quantised, with error feedback
     round_deadline_s: float = 600.0
     quorum: float = 1.0
     grace_s: float = 30.0
@@ -197,6 +198,7 @@ class Orchestrator:
         self.store = store
         self.session = session
         self.outer = outer or OuterOptimizer()
+        self.sync_feedback = SyncFeedback(session.sync_delta_dtype)
         self.global_state = {k: v.detach().cpu().contiguous() for k, v in model.items()}
         self.global_hash = state_hash(self.global_state)
         self.round_done = round_done  # the last round whose outer step is in global_state
@@ -358,7 +360,7 @@ class Orchestrator:
         self.round_done = round_num
         if new_state is None:  # nothing to average: the model, and what every host holds, stay
             return {}
-        sync = make_sync_delta(self.global_state, new_state)
+        sync = self.sync_feedback.build(self.global_state, new_state)
         delta_name = f"sync/round-{round_num}-{self._run_id}.safetensors.zst"
         delta_file = os.path.join(self._scratch, "sync.zst")
         write_delta(sync.delta, delta_file)
