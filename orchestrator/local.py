@@ -155,7 +155,11 @@ class LocalWorker:
             self.process = subprocess.Popen(
                 argv, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self.wait_ready(timeout_s)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:  # a worker that never got ready is not left running
+            self.stop()
+            raise
         return self
 
     def _redis(self, **options: Any) -> redis.Redis:

@@ -68,12 +68,12 @@ def rig(served, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
         "ROUNDHOUSE_SANDBOX_STOP_GRACE_S": "1",
     }
     worker = WorkerProcess(HOST, redis_server.url, tmp_path_factory.mktemp(HOST), env=env)
-    worker.start()
-    client = RoundClient(Settings(broker_url=redis_server.url, host_id="hostile-client"))
-    model_url = server.url("model.safetensors")
-    loaded = client.load_model(HOST, model_url, descriptors, DISPATCH, params={"attack": "pass"})
-    assert loaded.get(timeout=120)["model_hash"] == state_hash(mlp_state())
-    try:
+    try:  # a setup that fails must not leave the worker and its Redis running
+        worker.start()
+        client = RoundClient(Settings(broker_url=redis_server.url, host_id="hostile-client"))
+        model_url = server.url("model.safetensors")
+        loaded = client.load_model(HOST, model_url, descriptors, DISPATCH, params={"attack": "pass"})
+        assert loaded.get(timeout=120)["model_hash"] == state_hash(mlp_state())
         yield client, worker, model_url
     finally:
         worker.stop()
