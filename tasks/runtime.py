@@ -142,6 +142,9 @@ class ChildRuntime:
             self.metrics.task_done(name, outcome)
             with self._lock:
                 self.current = None
+            # Before Celery stores the result: whoever reads the result and then the heartbeats
+            # (an orchestrator picking idle hosts) must not see this host still "running".
+            self.beat()
 
     def request_stop(self, reason: str) -> None:
         """Stop the current task, whatever phase it is in (thread-safe; not for signal handlers)."""
@@ -207,18 +210,22 @@ class ChildRuntime:
             "versions": versions(),
         }
 
+    def beat(self) -> None:
+        """Write the heartbeat now (the beat thread does it every interval)."""
+        try:
+            beat = self.status()
+            beat["ts"] = time.time()
+            self._redis.set(
+                heartbeat_key(self.host_id),
+                json.dumps(beat),
+                ex=max(1, int(self.settings.heartbeat_ttl_s)),
+            )
+        except Exception as exc:  # a heartbeat must never take the child down
+            logger.debug("heartbeat failed: %s", exc)
+
     def _beat(self) -> None:
         while True:
-            try:
-                beat = self.status()
-                beat["ts"] = time.time()
-                self._redis.set(
-                    heartbeat_key(self.host_id),
-                    json.dumps(beat),
-                    ex=max(1, int(self.settings.heartbeat_ttl_s)),
-                )
-            except Exception as exc:  # a heartbeat must never take the child down
-                logger.debug("heartbeat failed: %s", exc)
+            self.beat()
             time.sleep(self.settings.heartbeat_interval_s)
 
 
