@@ -99,7 +99,15 @@ def test_the_demo_trains_bit_exact_on_s3(worker, redis_server, proxy, tmp_path: 
     MinIO mode) on the running worker: every artifact moves by presigned URL, every worker
     ends bit-identical to the orchestrator."""
     before = len(proxy.seen)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDHOUSE_")}
+    # The suite's own settings stay out, but for the control plane's keys: the running worker
+    # trusts the session's certificate (tests/conftest.py), so the demo must sign with it.
+    keep = (
+        "ROUNDHOUSE_SIGNING_KEY",
+        "ROUNDHOUSE_SIGNING_CERT",
+        "ROUNDHOUSE_TRUSTED_CERTS",
+        "ROUNDHOUSE_TLS_CA_FILE",
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDHOUSE_") or k in keep}
     env.update(
         ROUNDHOUSE_BROKER_URL=redis_server.url, ROUNDHOUSE_S3_ENDPOINT=proxy.endpoint,
         ROUNDHOUSE_S3_BUCKET="roundhouse-demo", ROUNDHOUSE_S3_ACCESS_KEY=ACCESS_KEY,
