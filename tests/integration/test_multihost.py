@@ -216,8 +216,13 @@ def check_the_outcome(cluster: Cluster, state: Path, killed_at: float, resumed_a
     assert back, "mh2 rejoined"
     assert any("mh2" in h["included"] for h in saved["history"][back[0]["round"] :])
     # mh4: joined (loaded the global model) once it was up, and trained.
-    (joined,) = events("mh4", "joined")
+    joins = events("mh4", "joined")
+    assert joins, "mh4 never joined"
+    joined = joins[0]
     assert joined["round"] >= 3 and any("mh4" in h["included"] for h in saved["history"][joined["round"] :])
+    # Loaded twice only when it joined in the very round the orchestrator died in: that join
+    # was not checkpointed yet, so the resumed orchestrator met mh4 as a new host.
+    assert len(joins) == 1 or (len(joins) == 2 and joined["round"] == resumed_at), joins
     # The restart: the dead orchestrator's round was stopped, the round run again, and the
     # hosts that held the model were not loaded again.
     assert [e["round"] for e in events(None, "resumed")] == [resumed_at]
