@@ -177,10 +177,16 @@ class World:
         assert result.status is RoundStatus.COMPLETED and result.report["ok"], result
         return result
 
-    def processes(self) -> list[int]:
-        """Host pids of the sandbox uid's processes (the warm runner is one)."""
-        time.sleep(0.2)
-        return _pids_of(self.uid)
+    def processes(self, settle_s: float = 10.0) -> list[int]:
+        """Host pids of the sandbox uid's processes (the warm runner is one), once the killed
+        ones are gone: a process killed in a frozen group exits only as the kill thaws it, which
+        takes a moment per process on a loaded machine (a live stray stays: the wait ends)."""
+        deadline = time.monotonic() + settle_s
+        pids = _pids_of(self.uid)
+        while len(pids) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            pids = _pids_of(self.uid)
+        return pids
 
 
 @pytest.fixture(scope="package")
