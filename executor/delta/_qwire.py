@@ -78,6 +78,18 @@ def write_quantized(
     return stream.digest, stream.keys
 
 
+def trained_keys(header: Any, trained: Mapping[str, torch.Tensor]) -> list[str]:
+    """The model's floating keys that ``trained`` holds, sorted; a shape change is a ``ValueError``."""
+    names = sorted(n for n, s in header.specs.items() if is_floating(s.dtype) and n in trained)
+    for name in names:
+        if tuple(trained[name].shape) != header.specs[name].shape:
+            raise ValueError(
+                f"trained {name!r} has shape {tuple(trained[name].shape)}, "
+                f"the model file has {header.specs[name].shape}"
+            )
+    return names
+
+
 def write_quantized_result(
     original_path: str,
     trained: Mapping[str, torch.Tensor],
@@ -94,13 +106,7 @@ def write_quantized_result(
     """
     with open(original_path, "rb") as file:
         header = read_header(file)
-        names = sorted(n for n, s in header.specs.items() if is_floating(s.dtype) and n in trained)
-        for name in names:
-            if tuple(trained[name].shape) != header.specs[name].shape:
-                raise ValueError(
-                    f"trained {name!r} has shape {tuple(trained[name].shape)}, "
-                    f"the model file has {header.specs[name].shape}"
-                )
+        names = trained_keys(header, trained)
         shapes = {n: header.specs[n].shape for n in names}
         if feedback is not None:
             feedback.begin(sorted(shapes.items()))

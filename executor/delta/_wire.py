@@ -25,7 +25,7 @@ from executor.delta._decode import CappedStream, is_torch_prefix, load_torch_del
 from executor.delta._feedback import ResidualUpdate
 from executor.delta._qlayout import decode_all, parse_layout
 from executor.delta._quant import DeltaFormat, QuantizedDelta, QuantScheme
-from executor.delta._qwire import write_quantized, write_quantized_result
+from executor.delta._qwire import trained_keys, write_quantized, write_quantized_result
 from executor.delta._sync import HASH_PREFIX, hash_entry_header, is_floating
 from executor.fileio import atomic_writer
 from executor.tensorfile import StreamWriter, dtype_name, read_header, read_tensor, tensor_bytes
@@ -140,13 +140,7 @@ def write_result_delta(
         raise ValueError(f"delta dtype must be floating, got {dtype}")
     with open(original_path, "rb") as file:
         header = read_header(file)
-        names = sorted(n for n, s in header.specs.items() if is_floating(s.dtype) and n in trained)
-        for name in names:
-            if tuple(trained[name].shape) != header.specs[name].shape:
-                raise ValueError(
-                    f"trained {name!r} has shape {tuple(trained[name].shape)}, "
-                    f"the model file has {header.specs[name].shape}"
-                )
+        names = trained_keys(header, trained)
         entries = [(n, dtype, header.specs[n].shape) for n in names]
         total = StreamWriter(io.BytesIO(), entries).total_bytes
         hasher = hashlib.sha256()
