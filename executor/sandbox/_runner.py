@@ -43,6 +43,8 @@ from executor.shards import load_shard_file
 from executor.stopping import UserCodeShield
 from executor.tensorfile import write_state
 
+REAP_S = 60.0  # killed strays leaving at round end (a tenant's fork bomb under memory pressure)
+
 
 class Channel:
     """The runner's end of the protocol: one writer lock, one reader thread."""
@@ -239,16 +241,38 @@ def _end_round(
         channel.send(message)
 
 
-def _reap_children(timeout_s: float = 5.0) -> None:
-    """Collect our killed children, so no zombie outlives the round either."""
+def _reap_children(timeout_s: float = REAP_S) -> None:
+    """Wait until every other process of the namespace is gone, reaping our own killed children,
+    so no zombie outlives the round either: the host freezes the sandbox once the round is
+    reported, and a zombie whose parent is frozen stays (it holds a pid of the sandbox's limit).
+    200 killed forks of a process with torch loaded take about a second to exit on an idle
+    2-core host, many more under memory pressure, hence the generous bound."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            pid, _status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        if not _others_in_namespace():
             return
-        if pid == 0:
-            time.sleep(0.01)
+        time.sleep(0.01)
+
+
+def _others_in_namespace() -> list[int]:
+    """Pids of this pid namespace's processes but ourselves and init (zombies included). Where
+    /proc is not this namespace's (the unshare launch keeps the host's), only our children
+    count: what waitpid reports."""
+    me = os.getpid()
+    try:
+        own_proc = os.readlink("/proc/self") == str(me)
+    except OSError:
+        own_proc = False
+    if not own_proc:
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return []
+        return [-1]  # a child is left
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) not in (1, me)]
 
 
 def main() -> None:
