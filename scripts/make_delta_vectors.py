@@ -16,18 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor.delta import make_sync_delta, state_hash
-from executor.tensorfile import dtype_name, tensor_bytes
-
-
-def encode(state: dict[str, torch.Tensor]) -> dict[str, dict[str, object]]:
-    return {
-        name: {
-            "dtype": dtype_name(t.dtype),
-            "shape": list(t.shape),
-            "hex": bytes(tensor_bytes(t.contiguous())).hex(),
-        }
-        for name, t in sorted(state.items())
-    }
+from executor.tensorfile import dtype_name
+from tests.support.vectors import encode
 
 
 def main() -> None:

@@ -13,25 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from executor.delta import SCHEMES, state_hash  # noqa: E402  (after the path insert)
-from executor.tensorfile import dtype_from_name  # noqa: E402
+from tests.support.vectors import decode  # noqa: E402
 
 VECTORS = REPO / "tests" / "vectors"
-
-
-def decode(encoded: dict[str, dict[str, object]]) -> dict[str, torch.Tensor]:
-    state = {}
-    for name, entry in encoded.items():
-        raw = bytearray.fromhex(str(entry["hex"]))
-        dtype = dtype_from_name(str(entry["dtype"]))
-        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        state[name] = flat.reshape([int(d) for d in entry["shape"]])  # type: ignore[union-attr]
-    return state
 
 
 def main() -> None:

@@ -22,22 +22,12 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from executor.delta import QuantizedDelta, QuantScheme, make_sync_delta, state_hash, write_delta
-from executor.tensorfile import dtype_name, tensor_bytes
+from executor.tensorfile import tensor_bytes
+from tests.support.vectors import encode
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "vectors" / "sync_delta_quant_v1.json"
 # (scheme, block size, scale dtype): block sizes that do and do not divide the tensors.
 CASES = (("int8", 4, "float32"), ("int8", 3, "float16"), ("int4", 4, "float32"), ("int4", 5, "float16"))
-
-
-def encode(state: dict[str, torch.Tensor]) -> dict[str, dict[str, object]]:
-    return {
-        name: {
-            "dtype": dtype_name(t.dtype),
-            "shape": list(t.shape),
-            "hex": bytes(tensor_bytes(t.contiguous())).hex(),
-        }
-        for name, t in sorted(state.items())
-    }
 
 
 def states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -21,18 +21,9 @@ from executor.delta import _sync as delta_sync
 from executor.delta import apply_sync_delta
 from executor.errors import BadArtifact, HashMismatch, Stopped
 from executor.tensorfile import dtype_from_name, tensor_bytes, write_state
+from tests.support.vectors import decode
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "sync_delta_v1.json"
-
-
-def decode(encoded: dict[str, dict]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, item in encoded.items():
-        raw = bytearray(bytes.fromhex(item["hex"]))
-        dtype = dtype_from_name(item["dtype"])
-        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        out[name] = flat.reshape(item["shape"]).clone()
-    return out
 
 
 def spec_hash(state: dict[str, torch.Tensor]) -> str:

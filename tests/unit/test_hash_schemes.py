@@ -25,19 +25,10 @@ from executor.delta import (
     write_delta,
 )
 from executor.errors import HashMismatch, InvalidRequest
-from executor.tensorfile import dtype_from_name, write_state
+from executor.tensorfile import write_state
+from tests.support.vectors import decode
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
-
-
-def _decode(encoded: dict[str, dict[str, object]]) -> dict[str, torch.Tensor]:
-    state = {}
-    for name, entry in encoded.items():
-        raw = bytearray.fromhex(str(entry["hex"]))
-        dtype = dtype_from_name(str(entry["dtype"]))
-        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        state[name] = flat.reshape([int(d) for d in entry["shape"]])  # type: ignore[union-attr]
-    return state
 
 
 def _layout_bytes(encoded: dict[str, dict[str, object]]) -> bytes:
@@ -59,7 +50,7 @@ def test_both_schemes_match_the_shared_vectors_and_the_layout_by_hand() -> None:
     for vector, hashes in zip(source, pinned, strict=True):
         assert vector["delta_dtype"] == hashes["delta_dtype"]
         for part in ("base", "delta", "result"):
-            state = _decode(vector[part])
+            state = decode(vector[part])
             raw = _layout_bytes(vector[part])
             assert hashes["hashes"][part]["sha256"] == "sha256:" + hashlib.sha256(raw).hexdigest()
             assert hashes["hashes"][part]["blake3"] == "blake3:" + blake3.blake3(raw).hexdigest()

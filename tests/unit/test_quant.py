@@ -22,10 +22,11 @@ from executor.delta import QuantizedDelta, QuantScheme, QuantTensor
 from executor.delta import _apply as delta_apply
 from executor.errors import BadArtifact, HashMismatch
 from executor.results import RoundStatus
-from executor.tensorfile import StreamWriter, dtype_from_name, tensor_bytes, write_state
+from executor.tensorfile import StreamWriter, tensor_bytes, write_state
 from settings import Settings
 from tests.support.engine import mlp_state
 from tests.support.http_server import FaultServer
+from tests.support.vectors import decode
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "sync_delta_quant_v1.json"
 SCHEMES = [
@@ -33,16 +34,6 @@ SCHEMES = [
     for name in ("int8", "int4")
     for block, scale in ((64, "float32"), (7, "float16"), (2, "float32"))
 ]
-
-
-def decode(encoded: dict[str, dict]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, item in encoded.items():
-        raw = bytearray(bytes.fromhex(item["hex"]))
-        dtype = dtype_from_name(item["dtype"])
-        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        out[name] = flat.reshape(item["shape"]).clone()
-    return out
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
