@@ -9,6 +9,13 @@ heartbeat TTL plus a poll of its last beat), its task stopped the same way so th
 runs late, and the wait goes on without it. The same waiter, without a quorum, bounds the
 loads and syncs.
 
+A task the host's gate refused (unsigned, untrusted, expired, a replay: DESIGN §11) never
+runs and has no result; the waiter finds the refusal in the host's events stream and ends
+that host's wait at once with an ``error`` outcome naming the reason, instead of at the
+deadline. A refusal's task id is only what the refused message claimed, so one is believed
+only while the host's heartbeat does not show that task running, and the task is stopped
+as well: should a genuine copy be admitted later, it does not run for nobody.
+
 Nothing here raises for a worker's failure: every host ends with an :class:`Outcome`.
 """
 
@@ -17,16 +24,21 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import redis
 from celery.result import AsyncResult
 
 from tasks.client import RoundClient
 
 POLL_S = 0.25
+REFUSAL_LOOKBACK_S = 300.0  # a wait's first read of the events reaches back this far: the task
+# was sent before the wait began, and the worker's clock may be behind ours
+REFUSALS_KEPT = 4096  # refused task ids remembered (a flood of forged refusals stays bounded)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +99,8 @@ class Waiter:
         self.poll_s = poll_s
         self.clock = clock
         self._last_beats: dict[str, float] = {}
+        self._cursors: dict[str, str] = {}  # per host: the last events-stream entry read
+        self._refused: OrderedDict[str, str] = OrderedDict()  # task id -> why it was refused
 
     def wait(
         self,
@@ -112,7 +126,8 @@ class Waiter:
             for host, task in list(waiting.items()):
                 if task.ready():
                     end(self.finished(host, task, self.clock() - started))
-            for host, beat in self.alive(list(waiting)).items():
+            beats = self.alive(list(waiting))
+            for host, beat in beats.items():
                 if beat is not None:
                     self._last_beats[host] = float(beat.get("ts") or time.time())
                 elif host in waiting:
@@ -120,6 +135,10 @@ class Waiter:
                     last = self._last_beats.get(host)
                     end(Outcome(host, Ending.LOST, reason="heartbeat expired", seconds=self.clock() - started,
                                 last_beat_ts=last, detected_ts=time.time()))  # fmt: skip
+            for host, task in list(waiting.items()):
+                if (why := self.refusal(host, task, beats.get(host))) is not None:
+                    self.stop(host, task)
+                    end(Outcome(host, Ending.ERROR, reason=why, seconds=self.clock() - started))
             now = self.clock()
             if quorum_at is None and sum(o.completed for o in outcomes.values()) >= need:
                 quorum_at = now
@@ -148,6 +167,26 @@ class Waiter:
         if not isinstance(result, dict):
             return Outcome(host, Ending.ERROR, reason=f"unexpected result {result!r:.200}", seconds=seconds)
         return Outcome(host, Ending.RESULT, result=result, seconds=seconds)
+
+    def refusal(self, host: str, task: AsyncResult, beat: Mapping[str, Any] | None) -> str | None:
+        """Why ``host``'s gate refused ``task``, if a refusal names it and the host does not
+        run it; the host's events read since the last call (Redis away: nothing new)."""
+        cursor = self._cursors.get(host) or f"{int((time.time() - REFUSAL_LOOKBACK_S) * 1000)}-0"
+        try:
+            found, self._cursors[host] = self.client.refusals(host, cursor)
+        except redis.RedisError as exc:
+            logger.debug("events of %s not read: %s", host, exc)
+            found = []
+        for event in found:
+            if event.task_id:
+                self._refused[event.task_id] = (
+                    f"refused by {host}'s gate: {event.data.get('reason')}: {event.data.get('detail')}"
+                )
+                while len(self._refused) > REFUSALS_KEPT:
+                    self._refused.popitem(last=False)
+        if beat is not None and beat.get("task_id") == task.id:
+            return None  # it runs: the refusal was of another message claiming its id
+        return self._refused.get(task.id)
 
     def stop(self, host: str, task: AsyncResult) -> None:
         try:

@@ -36,6 +36,8 @@ from tasks.names import (
 from tasks.signed_app import SignedCelery
 from tasks.signing import NO_KEY, SigningError
 
+REFUSAL_PAGE = 2000  # events-stream entries read per call of ``refusals``
+
 
 def redacted(value: Any) -> Any:
     """``value`` with every URL's query string (and userinfo) removed, for display."""
@@ -221,6 +223,24 @@ class RoundClient:
                 time.sleep(0.2)  # Redis is away: subscribe and replay again when it is back
             finally:
                 pubsub.close()
+
+    def refusals(self, host: str, after: str) -> tuple[list[Event], str]:
+        """The task refusals of ``host``'s gate in its events stream after the entry ``after``
+        (exclusive; ``"<unix ms>-0"`` names a time), at most ``REFUSAL_PAGE`` entries read,
+        and the id of the last entry read (``after`` when none). A refusal's task id is what
+        the refused message claimed: anyone who can write to the queue can claim any id."""
+        entries = self.redis.xrange(stream_name(host), min=f"({after}", count=REFUSAL_PAGE) or []
+        found = []
+        for _entry_id, fields in entries:
+            event = Event.from_json(fields[b"msg"])  # type: ignore[index]
+            if (
+                event.type == "state"
+                and event.data.get("event") == "refused"
+                and event.data.get("kind") == "task"
+            ):
+                found.append(event)
+        last = entries[-1][0] if entries else after
+        return found, last.decode() if isinstance(last, bytes) else str(last)
 
     def _replay(self, host: str, after: int) -> Iterator[Event]:
         for _entry_id, fields in self.redis.xrange(stream_name(host)) or []:

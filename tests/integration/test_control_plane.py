@@ -26,6 +26,7 @@ import pytest
 import redis
 from safetensors.torch import save_file
 
+from orchestrator.collect import Deadline, Ending, Waiter
 from settings import Settings
 from tasks.client import RoundClient
 from tasks.keys import DevKeys, init_keys
@@ -219,6 +220,22 @@ def test_forged_tasks_are_refused_and_never_run(
     starts = [e.task_id for e in events if e.data.get("event") == "task-started"]
     assert starts == [real.id], "a refused message reached the child"
     assert not secure_redis.acl_log(), "the worker or the client needed more than its ACL gives"
+
+
+def test_an_orchestrator_whose_tasks_are_refused_hears_why_at_once(  # type: ignore[no-untyped-def]
+    loaded, worker, client, attacker, impostor
+) -> None:
+    """A refused task has no result; the orchestrator's waiter finds the refusal in the
+    host's events and ends that host's wait with the reason, long before its deadline."""
+    for sender, reason in ((impostor, "untrusted_signer"), (attacker, "unsigned")):
+        task = sender.run_round("cp1", steps=1, round_num=1)
+        waiter = Waiter(sender, lambda hosts, sender=sender: {h: sender.heartbeat(h) for h in hosts})
+        started = time.monotonic()
+        outcome = waiter.wait({"cp1": task}, Deadline(deadline_s=600))["cp1"]
+        waited = time.monotonic() - started
+        assert outcome.ending is Ending.ERROR and f"gate: {reason}" in str(outcome.reason), outcome
+        assert waited < 60, f"{waited:.1f} s: the refusal was not noticed; the deadline ended the wait"
+        assert never_ran(worker, client, task.id)
 
 
 def test_a_signed_stop_ends_a_round_on_every_path(loaded, worker, client, secure_redis) -> None:  # type: ignore[no-untyped-def]
