@@ -76,6 +76,8 @@ class _Helpers:
         self._join_timeout_s = join_timeout_s
         self._threads: list[tuple[DoneThread, list[BaseException]]] = []
         self._lock = threading.Lock()
+        self._began = time.monotonic()
+        self.ended: dict[str, float] = {}  # a helper's name: seconds from the load's start to its end
 
     def start(self, name: str, work: Callable[[], object]) -> None:
         errors: list[BaseException] = []
@@ -85,6 +87,8 @@ class _Helpers:
                 work()
             except BaseException as exc:  # handed to the load's own thread in join()
                 errors.append(exc)
+            finally:
+                self.ended[name] = time.monotonic() - self._began
 
         thread = DoneThread(run, name)
         with self._lock:
@@ -132,6 +136,7 @@ class LoadPipeline:
         self._abort = StopSignal()
         self._helpers = _Helpers(join_timeout_s)
         self._runner_started = False
+        self._fetched_s = 0.0
 
     def run(
         self,
@@ -154,6 +159,7 @@ class LoadPipeline:
             staged = args.initial_shard_index % len(args.descriptors)
             index = staged
             self._helpers.start("load-shard", lambda: dataset.stage(index, abort=self._abort, prefetch=False))
+        began = time.monotonic()
         try:
             model, artifact = self._model(model_url, code, scheme, previous)
         except BaseException:
@@ -164,11 +170,20 @@ class LoadPipeline:
             unlink()
         if staged is not None:
             dataset.prefetch_after(staged)
+        # Where a load's time went, for whoever profiles time to ready (bench.load, a slow host).
+        helpers = ", ".join(f"{name} done {at:.2f} s" for name, at in sorted(self._helpers.ended.items()))
+        logger.info(
+            "load_model: model fetched and hashed %.2f s, installed %.2f s; %s",
+            self._fetched_s,
+            time.monotonic() - began,
+            helpers or "no helper",
+        )
         return Staged(model, dataset, staged, artifact)
 
     def _model(
         self, model_url: str, code: str, scheme: str, previous: Session | None
     ) -> tuple[InstalledModel, artifacts.ModelArtifact]:
+        began = time.monotonic()
         with self._models.staging() as staging:
             artifact, model_hash = self._models.fetch_hashed(
                 model_url,
@@ -178,6 +193,7 @@ class LoadPipeline:
                 abort=self._abort,
                 on_head=lambda head: self._start_runner(code, head),
             )
+            self._fetched_s = time.monotonic() - began
             self._join_helpers()
             # A crash from here on must not rehydrate the old session onto the new model.
             drop_manifest(self._models.work_dir)

@@ -175,6 +175,32 @@ def test_keys_init_is_idempotent_and_one_set_wins_a_race(tmp_path: Path) -> None
     assert Verifier(str(keys.trusted)).trusted
 
 
+def test_keys_init_makes_a_trusted_pair_for_each_signer(tmp_path: Path) -> None:
+    """``--signer flower`` (docs/SECURITY.md): Flower signs with a pair of its own that the
+    workers' trust store holds beside the orchestrator's; a signer left out is not trusted,
+    and adding one later to the same directory keeps the existing pairs."""
+    target = tmp_path / "keys"
+    command = [sys.executable, "-m", "tasks.cli", "keys", "init", str(target), "--signer", "orchestrator"]
+    subprocess.run([*command, "--signer", "flower"], check=True, capture_output=True, timeout=120)
+    keys = DevKeys(target)
+    assert keys.complete(("orchestrator", "flower"))
+    verifier = Verifier(str(keys.trusted))
+    signed = {}
+    for name in ("orchestrator", "flower"):
+        pair = Signer.from_files(str(keys.signing_key(name)), str(keys.signing_cert(name)))
+        signed[name] = pair.sign({"by": name})
+        assert verifier.open(signed[name]) == {"by": name}
+    assert keys.signing_key("flower").read_bytes() != keys.signing_key("orchestrator").read_bytes()
+    before = {name: keys.signing_cert(name).read_bytes() for name in ("orchestrator", "flower")}
+    subprocess.run([*command, "--signer", "ci"], check=True, capture_output=True, timeout=120)
+    assert {name: keys.signing_cert(name).read_bytes() for name in before} == before
+    ci = Signer.from_files(str(keys.signing_key("ci")), str(keys.signing_cert("ci")))
+    assert Verifier(str(keys.trusted)).open(ci.sign([1])) == [1]
+    with pytest.raises(Refused) as untrusted:
+        verifier.open(ci.sign([1]))  # the trust store as it was read before "ci" was added
+    assert untrusted.value.reason == "untrusted_signer"
+
+
 @pytest.mark.skipif(tls_binary() is None, reason="no Redis 7 (ACL selectors) here")
 def test_the_acl_file_is_one_redis_accepts(tmp_path: Path) -> None:
     acl = tmp_path / "users.acl"
