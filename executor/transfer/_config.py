@@ -83,6 +83,16 @@ class TransferConfig:
     def timeout(self) -> tuple[float, float]:
         return (self.connect_timeout_s, self.read_timeout_s)
 
+    @property
+    def body_timeout(self) -> tuple[float, float]:
+        """The timeouts of a download's body GET. A read that waits longer than the speed
+        floor's window has brought nothing in it, which the floor fails anyway; but the floor
+        only sees bytes that arrive, so without this a connection gone silent (no RST, no
+        byte) held the download for the whole read timeout (300 s by default)."""
+        if self.low_speed_bytes_s > 0 and self.low_speed_time_s > 0:
+            return (self.connect_timeout_s, min(self.read_timeout_s, self.low_speed_time_s))
+        return self.timeout
+
 
 @dataclass(frozen=True)
 class RemoteInfo:

@@ -225,7 +225,7 @@ class RangedDownload:
                 "GET",
                 self.url,
                 policy=self.config.policy,
-                timeout=self.config.timeout,
+                timeout=self.config.body_timeout,
                 headers=request_headers(pos, end - 1, self.sidecar.validator()),
             )
         with contextlib.closing(response):

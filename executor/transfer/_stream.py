@@ -206,7 +206,7 @@ class _Stream:
             "GET",
             self.url,
             policy=self.config.policy,
-            timeout=self.config.timeout,
+            timeout=self.config.body_timeout,
             headers=request_headers(pos, None, validator),
         )
         handover = None

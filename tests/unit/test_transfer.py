@@ -582,6 +582,28 @@ def test_stop_signal_aborts_a_stalled_read(server: FaultServer, blob: tuple[str,
     assert not signal_._callbacks  # unregistered in finally
 
 
+def test_a_connection_gone_silent_is_given_up_after_the_speed_floors_window(
+    server: FaultServer, blob: tuple[str, str], out: Path
+) -> None:
+    """No byte at all (no RST either) never reaches the speed floor; the body's read timeout
+    is the floor's window, so the attempt ends after it and resumes, not after read_timeout_s."""
+    relpath, digest = blob
+    server.add_fault(relpath, "stall", after_bytes=1 * MIB)
+    silent = dict(FAST_SETTINGS, read_timeout_s=300.0)
+    floor = dict(download_low_speed_bytes_s=1024, download_low_speed_time_s=1.0)
+    config = TransferConfig.from_settings(Settings(**silent, **floor))
+    started = time.monotonic()
+    try:
+        result = fetch(server.url(relpath), str(out / "f"), config=config, sha256=digest)
+    finally:
+        server.release_stalls()
+    took = time.monotonic() - started
+    # 1 s of silence, then a resume; far from the 300 s read timeout even on a loaded machine.
+    assert took < 60, f"{took:.1f} s: the silent connection was waited out"
+    assert server.requests[-1].range_start() == 1 * MIB  # the retry resumed where the silence began
+    assert _sha256(out / "f") == digest
+
+
 def test_abort_during_backoff(server: FaultServer, blob: tuple[str, str], out: Path) -> None:
     relpath, _ = blob
     server.add_fault(relpath, "status", code=503, times=-1)
