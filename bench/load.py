@@ -157,6 +157,7 @@ def main() -> int:
                 "Executor.load (blake3)": methods.load("blake3"),
             }
             worker = client = redis_server = None
+            profile: list[str] = []
             if not args.no_worker:
                 worker, client, redis_server = start_worker(base)
                 runs = [0]
@@ -176,10 +177,24 @@ def main() -> int:
             finally:
                 methods.executor.shutdown()
                 if worker is not None:
+                    profile = worker_profile(worker.log())
                     worker.stop()
                 if redis_server is not None:
                     redis_server.stop()
-    return report(seconds, size, args)
+    return report(seconds, size, args, profile)
+
+
+def worker_profile(log: str) -> list[str]:
+    """Where each worker load's time went, from the worker's own log: the load pipeline's
+    line (executor.loading) and Celery's "succeeded in" (the task on the child, from its
+    start to its result) of each ``load_model``."""
+    lines = []
+    for line in log.splitlines():
+        if "load_model: model fetched" in line:
+            lines.append(line.split("load_model: ", 1)[1])
+        elif "roundhouse.load_model[" in line and " succeeded in " in line:
+            lines.append("task " + line.split(" succeeded in ", 1)[1].split(":", 1)[0])
+    return lines
 
 
 def start_worker(base: Path) -> tuple[Any, Any, Any]:
@@ -198,7 +213,7 @@ def start_worker(base: Path) -> tuple[Any, Any, Any]:
     return worker, client, redis_server
 
 
-def report(seconds: dict[str, list[float]], size: int, args: argparse.Namespace) -> int:
+def report(seconds: dict[str, list[float]], size: int, args: argparse.Namespace, profile: list[str]) -> int:
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     curl = medians["curl -o"]
     print(f"load bench: {size / MIB:.0f} MiB safetensors ({TENSORS} tensors) + a {SHARD_MB} MiB shard,")
@@ -206,6 +221,10 @@ def report(seconds: dict[str, list[float]], size: int, args: argparse.Namespace)
     print(f"{'what':<40}{'seconds':>9}{'MB/s':>8}{'x curl':>8}")
     for name, value in medians.items():
         print(f"{name:<40}{value:>9.3f}{size / value / 1e6:>8.0f}{value / curl:>8.2f}")
+    if profile:
+        print("the worker's own account of each load (executor.loading's line, then Celery's task time):")
+        for line in profile:
+            print(f"  {line}")
     record = {
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(["python -m bench.load", *sys.argv[1:]]),
@@ -213,6 +232,7 @@ def report(seconds: dict[str, list[float]], size: int, args: argparse.Namespace)
         "runs": args.runs,
         "cpu_count": os.cpu_count(),
         "seconds": seconds,
+        "worker_profile": profile,
     }
     save("load", record)
     return 0

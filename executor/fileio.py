@@ -10,12 +10,14 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
 MIB = 1 << 20  # the one definition of a mebibyte, for every size written in MiB
-TEMP_SUFFIX = ".tmp"
+TEMP_SUFFIX = ".tmp"  # a file being written
+RETIRED_SUFFIX = ".retired"  # a replaced file being unlinked (replace_retiring)
 
 
 def temp_path_for(path: str) -> str:
@@ -32,16 +34,50 @@ def temp_path_for(path: str) -> str:
 
 
 @contextmanager
-def atomic_writer(path: str) -> Iterator[IO[bytes]]:
-    """Yield a binary file; on a clean exit it replaces ``path`` whole, on error nothing changes."""
+def atomic_writer(path: str, *, retire: bool = False) -> Iterator[IO[bytes]]:
+    """Yield a binary file; on a clean exit it replaces ``path`` whole, on error nothing changes.
+
+    ``retire``: a big file's replacement, by :func:`replace_retiring`."""
     tmp = temp_path_for(path)
     try:
         with open(tmp, "r+b") as file:  # not "wb": see temp_path_for
             yield file
-        os.replace(tmp, path)
+        if retire:
+            replace_retiring(tmp, path)
+        else:
+            os.replace(tmp, path)
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+def replace_retiring(src: str, dst: str) -> None:
+    """``os.replace(src, dst)`` for a big file, with neither of its two costs on the caller's path.
+
+    Renaming over an existing file makes ext4 write the new file's blocks out on the spot
+    (``auto_da_alloc``: 0.34-0.41 s for 1 GiB on this VM), and the old file's blocks are freed
+    as its last name goes (1.2-2.5 s for 1 GiB on ext4 with ``discard``). So ``dst`` is first
+    renamed to a temp name beside it, ``src`` then takes the free name, and the old file is
+    unlinked on a thread. Between the two renames ``dst`` does not exist: a crash there leaves
+    no file under that name (a load or apply in progress, which a restart treats as no model)
+    and the old one under its retired name, which start-up removes. Without ``auto_da_alloc``'s flush a
+    power cut can leave the new file's size without its bytes: a recorded hash is trusted only
+    within the boot that wrote the file (``modelfile.model_fingerprint``).
+    """
+    directory, name = os.path.split(os.path.abspath(dst))
+    retired: str | None = os.path.join(directory, f".{name}.{os.urandom(6).hex()}{RETIRED_SUFFIX}")
+    try:
+        os.rename(dst, retired)  # type: ignore[arg-type]
+    except FileNotFoundError:
+        retired = None
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        if retired is not None:
+            os.rename(retired, dst)
+        raise
+    if retired is not None:
+        threading.Thread(target=remove_quietly, args=(retired,), name="retire-file", daemon=True).start()
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:

@@ -11,6 +11,7 @@ fallback) ``max_model_bytes``, a sync delta what the model it applies to bounds 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ from executor.delta import (
     zstd_bound,
 )
 from executor.errors import HashMismatch, Stopped, error_info
-from executor.fileio import MIB, TEMP_SUFFIX, remove_quietly
+from executor.fileio import MIB, RETIRED_SUFFIX, TEMP_SUFFIX, remove_quietly, replace_retiring
 from executor.results import ApplyVia
 from executor.transfer import Progress
 
@@ -42,13 +43,25 @@ logger = logging.getLogger(__name__)
 
 MODEL_DIRNAME = "model"  # model.safetensors and bundle/; the sandbox sees this dir read-only
 
-Fingerprint = tuple[int, int, int]
+Fingerprint = tuple[int, int, int, str]
 
 
 def model_fingerprint(path: str) -> Fingerprint:
-    """Identity of the model file as this process wrote it (inode, size, mtime)."""
+    """Identity of the model file as this process wrote it (inode, size, mtime) in this boot:
+    the file is installed without a flush (``fileio.replace_retiring``), so after a power cut
+    its size and mtime may stand for bytes that never reached the disk, and its hash is
+    computed again from the file."""
     st = os.stat(path)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_ino, st.st_size, st.st_mtime_ns, _boot_id())
+
+
+@functools.cache
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip()
+    except OSError:  # not Linux: the fingerprint holds no boot
+        return ""
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,7 @@ class ModelFiles:
         ):
             with contextlib.suppress(FileNotFoundError):
                 for name in os.listdir(directory):
-                    if name.startswith(".") and name.endswith(TEMP_SUFFIX):
+                    if name.startswith(".") and name.endswith((TEMP_SUFFIX, RETIRED_SUFFIX)):
                         removed += remove_quietly(os.path.join(directory, name)) >= 0
         staging = os.path.join(self.work_dir, "incoming", "staging")
         if os.path.isdir(staging):
@@ -230,13 +243,9 @@ class ModelFiles:
         """Move a staged model (and its bundle) into the model dir; each move is atomic."""
         target = self.model_path
         _readable(artifact.model_path, artifact.bundle_root)
-        retired = self._retire(target)
-        os.replace(artifact.model_path, target)
-        if retired is not None:
-            # Freeing a big file's blocks takes seconds on some disks (1.2-2.5 s for 1 GiB on
-            # ext4 with discard, bench.load): not on the load's path, the old file is unlinked
-            # beside it (a leftover of a crash is a temp file that clean_leftovers removes).
-            threading.Thread(target=remove_quietly, args=(retired,), name="model-retire", daemon=True).start()
+        # Neither the old file's freeing nor ext4's flush of the new one on a rename over it
+        # (together 1.6-2.9 s for 1 GiB here, bench.load) is on the load's path.
+        replace_retiring(artifact.model_path, target)
         bundle_root = os.path.join(self.model_dir, artifacts.BUNDLE_DIRNAME)
         shutil.rmtree(bundle_root, ignore_errors=True)
         if artifact.bundle_root is not None:
@@ -248,15 +257,6 @@ class ModelFiles:
             model_hash,
             model_fingerprint(target),
         )
-
-    def _retire(self, target: str) -> str | None:
-        """A second name for the installed file, so that replacing it frees nothing yet."""
-        retired = os.path.join(self.work_dir, f".retired-model.{os.urandom(6).hex()}{TEMP_SUFFIX}")
-        try:
-            os.link(target, retired)
-        except OSError:  # nothing installed yet, or links unsupported: replace as before
-            return None
-        return retired
 
     def installed(
         self, recorded_hash: str, recorded: Sequence[object], preprocessor_config: Mapping[str, Any]

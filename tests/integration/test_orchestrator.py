@@ -18,6 +18,7 @@ from orchestrator.diloco import Orchestrator, Session, pick_hosts
 from settings import Settings
 from tasks.client import RoundClient
 from tests.support.redis_server import RedisServer, free_port
+from tests.support.rounds import event_seq, wait_for_log
 from tests.support.worker import WorkerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,10 +104,17 @@ def test_a_worker_stopped_mid_round_is_left_out_of_the_mean_and_takes_the_sync_d
         hosts, publish_shards(store, tmp_path), SLOW_ON_CUE, params=params, steps=10, tenant="t2"
     )
 
+    since = event_seq(client, "orch-b")
+
+    def stop_once_spinning(task_id: str) -> None:
+        wait_for_log(client, "orch-b", since, "slow round started", timeout_s=120)
+        client.stop(task_id, "orch-b")
+
     def stop_the_slow_one(round_num: int, task_ids: dict[str, str]) -> None:
         if round_num == 1:
-            # Stop orch-b's round once it is busy (it never ends by itself).
-            threading.Timer(2.0, client.stop, args=(task_ids["orch-b"], "orch-b")).start()
+            # Stop orch-b's round once its tenant says it spins (it never ends by itself):
+            # a stop before it started would pass this test without a mid-round stop.
+            threading.Thread(target=stop_once_spinning, args=(task_ids["orch-b"],), daemon=True).start()
 
     orchestrator = Orchestrator(client, store, build_model(), session, on_round_start=stop_the_slow_one)
     orchestrator.load()

@@ -594,7 +594,7 @@ def test_a_connection_gone_silent_is_given_up_after_the_speed_floors_window(
     config = TransferConfig.from_settings(Settings(**silent, **floor))
     started = time.monotonic()
     try:
-        result = fetch(server.url(relpath), str(out / "f"), config=config, sha256=digest)
+        fetch(server.url(relpath), str(out / "f"), config=config, sha256=digest)
     finally:
         server.release_stalls()
     took = time.monotonic() - started
