@@ -5,9 +5,11 @@ the state directory gets, atomically:
 
 - ``model-<round>.safetensors``: the global model (the exact state every worker is to hold),
 - ``outer-<round>.safetensors``: the outer optimiser's momentum,
+- ``residual-<round>.safetensors`` (quantised sync deltas only): the error feedback that the
+  next sync delta adds before it is quantised (``SyncFeedback.residual``),
 - ``state.json``: the round number, the model's hash, the outer optimiser's settings, the
   session's settings (code, shards by name, params, deadlines), the membership and the
-  history of rounds. It names the two files above and is written last, with ``os.replace``:
+  history of rounds. It names the files above and is written last, with ``os.replace``:
   it is the commit point, so a crash at any moment leaves the previous round's checkpoint
   whole. Older model and momentum files are removed after the commit.
 
@@ -37,7 +39,7 @@ STATE = "state.json"
 INFLIGHT = "inflight.json"
 EVENTS = "events.jsonl"
 VERSION = 1
-_ROUND_FILE = re.compile(r"^(model|outer)-(-?\d+)\.safetensors$")  # -1: the initial model
+_ROUND_FILE = re.compile(r"^(model|outer|residual)-(-?\d+)\.safetensors$")  # -1: the initial model
 
 
 class CheckpointError(Exception):
@@ -55,6 +57,9 @@ class Checkpoint:
     members: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # what the caller keeps (the train command's)
+    # The quantised sync deltas' error feedback (``SyncFeedback.residual``): without it a
+    # resumed session would drop one round's quantisation error.
+    sync_residual: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def global_hash(self) -> str:
@@ -98,6 +103,9 @@ class StateDir:
         outer_file = self.path / f"outer-{n:05d}.safetensors"
         _write_synced(model_file, lambda f: write_state(f, checkpoint.model))
         _write_synced(outer_file, lambda f: write_state(f, checkpoint.velocity))
+        residual_file = self.path / f"residual-{n:05d}.safetensors" if checkpoint.sync_residual else None
+        if residual_file is not None:
+            _write_synced(residual_file, lambda f: write_state(f, checkpoint.sync_residual))
         state = {
             "v": VERSION,
             "round_done": n,
@@ -105,6 +113,7 @@ class StateDir:
             "global_hash": checkpoint.global_hash,
             "model_file": model_file.name,
             "outer_file": outer_file.name,
+            "residual_file": residual_file.name if residual_file is not None else None,
             "outer": checkpoint.outer,
             "session": checkpoint.session,
             "members": checkpoint.members,
@@ -135,12 +144,14 @@ class StateDir:
         try:
             model = load_state(str(self.path / state["model_file"]))
             velocity = load_state(str(self.path / state["outer_file"]))
+            residual_name = state.get("residual_file")
+            residual = load_state(str(self.path / residual_name)) if residual_name else {}
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{self.path}: {type(exc).__name__}: {exc}") from None
         checkpoint = Checkpoint(
             int(state["round_done"]), int(state["total_rounds"]), model, velocity, dict(state["outer"]),
             dict(state["session"]), dict(state["members"]), list(state.get("history", [])),
-            dict(state.get("extra", {})),
+            dict(state.get("extra", {})), residual,
         )  # fmt: skip
         if checkpoint.global_hash != state["global_hash"]:
             raise CheckpointError(f"{state['model_file']} does not hash to {state['global_hash']}")

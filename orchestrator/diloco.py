@@ -244,6 +244,7 @@ class Orchestrator:
         self.total_rounds = saved.total_rounds
         self.history = [RoundSummary.from_json(h) for h in saved.history]
         self.membership.restore(saved.members)
+        self.sync_feedback.residual = dict(saved.sync_residual)
         self.note(None, "resumed", saved.round_done + 1, global_hash=self.global_hash)
         self.elastic.stop_inflight()
         return self
@@ -408,7 +409,7 @@ class Orchestrator:
             Checkpoint(
                 self.round_done, self.total_rounds, self.global_state, self.outer.velocity,
                 self.outer.settings(), self.session.to_json(), self.membership.to_json(),
-                [s.to_json() for s in self.history],
+                [s.to_json() for s in self.history], sync_residual=self.sync_feedback.residual,
             )
         )  # fmt: skip
         return str(saved)

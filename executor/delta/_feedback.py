@@ -184,8 +184,8 @@ class SyncFeedback:
 
     ``build(base, new)`` is ``make_sync_delta(base, new + residual, dtype)``; the residual
     becomes ``(new + residual) - result`` (float32, floating keys). A float dtype keeps no
-    residual. ``residual`` is the orchestrator's to checkpoint if it wants it to survive a
-    restart (starting again from none costs one round's quantisation error).
+    residual. ``residual`` is the orchestrator's to checkpoint (``orchestrator.checkpoint``
+    saves it with each round, so a resumed session carries it on).
     """
 
     def __init__(self, dtype: DeltaFormat | str = "float16", *, enabled: bool = True) -> None:

@@ -219,6 +219,24 @@ def test_a_checkpoint_round_trips_and_only_the_last_one_is_kept(tmp_path: Path) 
     assert state.load().history == [{"round_num": 3, "x": 1}]
 
 
+def test_the_quantised_sync_deltas_residual_is_checkpointed(tmp_path: Path) -> None:
+    """A resumed session keeps the orchestrator's error feedback (issue 16): the residual of the
+    last sync delta is saved with its round and only the last round's is kept."""
+    state = StateDir(tmp_path)
+    first, second = _checkpoint(2, 1.0), _checkpoint(3, 2.0)
+    first.sync_residual = {"w": torch.full((4, 4), 1e-3)}
+    second.sync_residual = {"w": torch.full((4, 4), -2e-3)}
+    state.save(first)
+    assert torch.equal(state.load().sync_residual["w"], torch.full((4, 4), 1e-3))
+    state.save(second)
+    assert torch.equal(state.load().sync_residual["w"], torch.full((4, 4), -2e-3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model-00003.safetensors", "outer-00003.safetensors", "residual-00003.safetensors", "state.json",
+    ]  # fmt: skip
+    state.save(_checkpoint(4, 3.0))  # a float sync delta keeps none
+    assert state.load().sync_residual == {} and not list(tmp_path.glob("residual-*"))
+
+
 def test_a_crash_before_the_commit_point_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
     state = StateDir(tmp_path)
     state.save(_checkpoint(4, 1.0))
