@@ -147,7 +147,9 @@ def session_dir(worker: WorkerProcess) -> Path:
 
 def test_child_killed_mid_download_retries_and_resumes(world) -> None:  # type: ignore[no-untyped-def]
     server, client, f1 = world["server"], world["client"], world["f1"]
-    server.add_fault("model.safetensors", "stall", after_bytes=300)
+    # Twice: a stalled read ends after this worker's speed-floor window (1 s) and resumes, so
+    # a second stall keeps the download going when a slow machine kills the child late.
+    server.add_fault("model.safetensors", "stall", times=2, after_bytes=300)
     stalls = server.stalls_entered
     pending = client.load_model("f1", server.url("model.safetensors", "X-Signature=s"), world["shards"], CODE)
     assert server.wait_for_stalls(stalls + 1, timeout_s=60)
