@@ -159,21 +159,26 @@ def healthy(world) -> str:  # type: ignore[no-untyped-def]
     return str(result.report["runner"])
 
 
-def _task_bytes(world) -> int:  # type: ignore[no-untyped-def]
+def task_bytes(session_dir: Path) -> int:
+    """Disk blocks the tenant's task dir holds under a session dir (what its quota counts)."""
     total = 0
-    for root, _dirs, files in os.walk(Path(world.executor.work_dir) / "sandbox" / "task"):
+    for root, _dirs, files in os.walk(session_dir / "sandbox" / "task"):
         for name in files:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512
     return total
 
 
-def _processes_of(uid: int) -> int:
-    """Live processes of ``uid`` on the host. A killed child of the frozen runner stays a zombie
-    until the runner reaps it: it runs nothing, so it does not count."""
-    time.sleep(0.2)
+def live_processes(uid: int, settle_s: float = 0.0) -> int:
+    """Live processes of ``uid`` on the host, after ``settle_s``. A killed child of the frozen
+    runner stays a zombie until the runner reaps it: it runs nothing, so it does not count."""
+    time.sleep(settle_s)
     out = subprocess.run(["ps", "-o", "stat=", "-u", str(uid)], capture_output=True, text=True).stdout
     return len([state for state in out.split() if not state.startswith("Z")])
+
+
+def _task_bytes(world) -> int:  # type: ignore[no-untyped-def]
+    return task_bytes(Path(world.executor.work_dir))
 
 
 def test_a_forged_complete_does_not_let_the_tenant_run_on(world) -> None:  # type: ignore[no-untyped-def]
@@ -206,7 +211,7 @@ def test_switching_off_the_runners_cleanup_does_not_keep_a_daemon(world) -> None
         mode="inference",
     )
     assert result.status is RoundStatus.COMPLETED and result.report == {"beating": True}, result
-    assert _processes_of(world.settings.sandbox_ids[0]) <= 1, "the daemon outlived its round"
+    assert live_processes(world.settings.sandbox_ids[0], settle_s=0.2) <= 1, "the daemon outlived its round"
     later = attack(
         world,
         "import time\ntime.sleep(0.5)\nsave_report({'age': time.time() - float(open('/task/beat').read())})",
@@ -437,7 +442,7 @@ def test_through_a_real_worker_a_tenant_cannot_flood_redis_or_outlive_its_round(
         )
         assert stream_bytes < 2 << 20, f"{stream_bytes} bytes of events reached Redis"
         time.sleep(0.5)
-        assert _processes_of(uid) <= 1, "the tenant's daemon outlived its round"
+        assert live_processes(uid, settle_s=0.2) <= 1, "the tenant's daemon outlived its round"
         status = client.status("hostile-w").get(timeout=30)
         assert status["state"] == "loaded" and status["sandbox"]["uid"] == uid, status
     finally:

@@ -11,9 +11,6 @@ worker serving the next round.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
 import textwrap
 import time
 from typing import Any
@@ -33,6 +30,8 @@ from tests.sandbox.test_hostile import (
     LATE_LOG,
     QUOTA_MB,
     SHARED_MEMORY_BOMB,
+    live_processes,
+    task_bytes,
 )
 from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
@@ -96,27 +95,17 @@ def healthy(rig: Any) -> str:
     return str(result["report"]["runner"])
 
 
-def task_bytes(worker: WorkerProcess) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(worker.directory / "work" / HOST / "session" / "sandbox" / "task"):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-    return total
-
-
-def live_processes(uid: int) -> int:
-    out = subprocess.run(["ps", "-o", "stat=", "-u", str(uid)], capture_output=True, text=True).stdout
-    return len([state for state in out.split() if not state.startswith("Z")])
+def worker_task_bytes(worker: WorkerProcess) -> int:
+    return task_bytes(worker.directory / "work" / HOST / "session")
 
 
 def test_a_forged_complete_cannot_fill_the_disk(rig) -> None:  # type: ignore[no-untyped-def]
     _client, worker, _url = rig
     result = attack(rig, FORGED_COMPLETE + FILL_FOREVER)
     assert result["status"] == "completed" and result["report"] == {"forged": True}, result
-    frozen = task_bytes(worker)
+    frozen = worker_task_bytes(worker)
     time.sleep(1.5)  # a writer that ran on would add ~1 GB/s here
-    assert task_bytes(worker) == frozen and frozen < QUOTA_MB << 20
+    assert worker_task_bytes(worker) == frozen and frozen < QUOTA_MB << 20
     thawed = attack(rig, "save_report({'ok': True})")
     assert thawed["status"] == "failed" and thawed["error"]["code"] == "sandbox_runner_error", thawed
     assert "quota" in thawed["error"]["message"]
