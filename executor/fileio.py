@@ -60,23 +60,24 @@ def replace_retiring(src: str, dst: str) -> None:
     renamed to a temp name beside it, ``src`` then takes the free name, and the old file is
     unlinked on a thread. Between the two renames ``dst`` does not exist: a crash there leaves
     no file under that name (a load or apply in progress, which a restart treats as no model)
-    and the old one under its retired name, which start-up removes. Without ``auto_da_alloc``'s flush a
-    power cut can leave the new file's size without its bytes: a recorded hash is trusted only
-    within the boot that wrote the file (``modelfile.model_fingerprint``).
+    and the old one under its retired name, which start-up removes. Without ``auto_da_alloc``'s
+    flush a power cut can leave the new file's size without its bytes: a recorded hash is
+    trusted only within the boot that wrote the file (``modelfile.model_fingerprint``).
     """
     directory, name = os.path.split(os.path.abspath(dst))
-    retired: str | None = os.path.join(directory, f".{name}.{os.urandom(6).hex()}{RETIRED_SUFFIX}")
+    retired = os.path.join(directory, f".{name}.{os.urandom(6).hex()}{RETIRED_SUFFIX}")
     try:
-        os.rename(dst, retired)  # type: ignore[arg-type]
+        os.rename(dst, retired)
+        moved = True
     except FileNotFoundError:
-        retired = None
+        moved = False
     try:
         os.replace(src, dst)
     except BaseException:
-        if retired is not None:
+        if moved:
             os.rename(retired, dst)
         raise
-    if retired is not None:
+    if moved:
         threading.Thread(target=remove_quietly, args=(retired,), name="retire-file", daemon=True).start()
 
 

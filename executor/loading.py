@@ -76,7 +76,7 @@ class _Helpers:
         self._join_timeout_s = join_timeout_s
         self._threads: list[tuple[DoneThread, list[BaseException]]] = []
         self._lock = threading.Lock()
-        self._began = time.monotonic()
+        self.began = time.monotonic()  # the load's start: every time the load logs counts from it
         self.ended: dict[str, float] = {}  # a helper's name: seconds from the load's start to its end
 
     def start(self, name: str, work: Callable[[], object]) -> None:
@@ -88,7 +88,7 @@ class _Helpers:
             except BaseException as exc:  # handed to the load's own thread in join()
                 errors.append(exc)
             finally:
-                self.ended[name] = time.monotonic() - self._began
+                self.ended[name] = time.monotonic() - self.began
 
         thread = DoneThread(run, name)
         with self._lock:
@@ -159,7 +159,6 @@ class LoadPipeline:
             staged = args.initial_shard_index % len(args.descriptors)
             index = staged
             self._helpers.start("load-shard", lambda: dataset.stage(index, abort=self._abort, prefetch=False))
-        began = time.monotonic()
         try:
             model, artifact = self._model(model_url, code, scheme, previous)
         except BaseException:
@@ -175,7 +174,7 @@ class LoadPipeline:
         logger.info(
             "load_model: model fetched and hashed %.2f s, installed %.2f s; %s",
             self._fetched_s,
-            time.monotonic() - began,
+            time.monotonic() - self._helpers.began,
             helpers or "no helper",
         )
         return Staged(model, dataset, staged, artifact)
@@ -183,7 +182,6 @@ class LoadPipeline:
     def _model(
         self, model_url: str, code: str, scheme: str, previous: Session | None
     ) -> tuple[InstalledModel, artifacts.ModelArtifact]:
-        began = time.monotonic()
         with self._models.staging() as staging:
             artifact, model_hash = self._models.fetch_hashed(
                 model_url,
@@ -193,7 +191,7 @@ class LoadPipeline:
                 abort=self._abort,
                 on_head=lambda head: self._start_runner(code, head),
             )
-            self._fetched_s = time.monotonic() - began
+            self._fetched_s = time.monotonic() - self._helpers.began
             self._join_helpers()
             # A crash from here on must not rehydrate the old session onto the new model.
             drop_manifest(self._models.work_dir)

@@ -246,33 +246,24 @@ def _reap_children(timeout_s: float = REAP_S) -> None:
     so no zombie outlives the round either: the host freezes the sandbox once the round is
     reported, and a zombie whose parent is frozen stays (it holds a pid of the sandbox's limit).
     200 killed forks of a process with torch loaded take about a second to exit on an idle
-    2-core host, many more under memory pressure, hence the generous bound."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0] != 0:
-                pass
-        if not _others_in_namespace():
-            return
-        time.sleep(0.01)
-
-
-def _others_in_namespace() -> list[int]:
-    """Pids of this pid namespace's processes but ourselves and init (zombies included). Where
-    /proc is not this namespace's (the unshare launch keeps the host's), only our children
-    count: what waitpid reports."""
+    2-core host, many more under memory pressure, hence the generous bound. Where /proc is not
+    this namespace's (the unshare launch keeps the host's), only our own children are awaited."""
     me = os.getpid()
     try:
         own_proc = os.readlink("/proc/self") == str(me)
     except OSError:
         own_proc = False
-    if not own_proc:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
-            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return []
-        return [-1]  # a child is left
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) not in (1, me)]
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:  # no child left
+            if not own_proc:
+                return
+        if own_proc and not [e for e in os.listdir("/proc") if e.isdigit() and int(e) not in (1, me)]:
+            return
+        time.sleep(0.01)
 
 
 def main() -> None:
