@@ -13,7 +13,8 @@ A task the host's gate refused (unsigned, untrusted, expired, a replay: DESIGN Â
 runs and has no result; the waiter finds the refusal in the host's events stream and ends
 that host's wait at once with an ``error`` outcome naming the reason, instead of at the
 deadline. A refusal's task id is only what the refused message claimed, so one is believed
-only while the host's heartbeat does not show that task running, and the task is stopped
+only from the host the task was sent to and while that host's heartbeat does not show the
+task running, and the task is stopped
 as well: should a genuine copy be admitted later, it does not run for nobody.
 
 Nothing here raises for a worker's failure: every host ends with an :class:`Outcome`.
@@ -100,7 +101,9 @@ class Waiter:
         self.clock = clock
         self._last_beats: dict[str, float] = {}
         self._cursors: dict[str, str] = {}  # per host: the last events-stream entry read
-        self._refused: OrderedDict[str, str] = OrderedDict()  # task id -> why it was refused
+        # (host, task id) -> why that host's gate refused it: a message claiming our id on
+        # another host's queue says nothing of ours
+        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     def wait(
         self,
@@ -179,14 +182,14 @@ class Waiter:
             found = []
         for event in found:
             if event.task_id:
-                self._refused[event.task_id] = (
+                self._refused[host, event.task_id] = (
                     f"refused by {host}'s gate: {event.data.get('reason')}: {event.data.get('detail')}"
                 )
                 while len(self._refused) > REFUSALS_KEPT:
                     self._refused.popitem(last=False)
         if beat is not None and beat.get("task_id") == task.id:
             return None  # it runs: the refusal was of another message claiming its id
-        return self._refused.get(task.id)
+        return self._refused.get((host, task.id))
 
     def stop(self, host: str, task: AsyncResult) -> None:
         try:

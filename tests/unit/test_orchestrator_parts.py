@@ -27,7 +27,8 @@ from orchestrator.membership import MAX_FAILURES, HostState, Membership, join_ki
 from orchestrator.s3 import presign
 from settings import Settings
 from tasks.client import RoundClient
-from tasks.names import heartbeat_key
+from tasks.events import Event
+from tasks.names import heartbeat_key, stream_name
 from tests.support.redis_server import RedisServer
 
 
@@ -345,6 +346,42 @@ def test_a_host_whose_heartbeat_expires_is_lost_within_the_ttl_plus_a_second(bea
     assert "deadline" in (late.reason or "")
     # Both were stopped through Redis: neither runs late, even if its worker comes back.
     assert stop_requested(client, pending["a"].id) and stop_requested(client, pending["b"].id)
+
+
+def _refuse(client: RoundClient, host: str, task_id: str, reason: str = "untrusted_signer") -> None:
+    """A refusal as ``host``'s gate publishes it (tasks.gate.Refusals)."""
+    name = "roundhouse.run_round"
+    data = {"event": "refused", "kind": "task", "reason": reason, "detail": "test", "name": name}
+    event = Event(type="state", host=host, data=data, task_id=task_id, task=name, ts=time.time())
+    client.redis.xadd(stream_name(host), {"msg": json.dumps(event.to_json())})
+
+
+def test_a_refusal_ends_the_wait_only_for_its_own_host_and_a_task_not_running(beats: Beats) -> None:
+    """A refusal's task id is what the refused message claimed: one on another host's stream,
+    or one for a task this host's heartbeat shows running, changes nothing; a refusal on the
+    host that is to run the task ends its wait at once, with the reason, and stops the task."""
+    client = beats.client
+    waiter = Waiter(client, Membership(client, "t", max_hosts=2).alive)
+    beats.beat("a")
+    beats.beat("b")
+    # Nobody consumes these queues: the tasks stay pending. Both hosts are waited for, so
+    # both streams are read.
+    pending = {"a": client.run_round("a", steps=1), "b": client.run_round("b", steps=1)}
+    _refuse(client, "b", pending["a"].id)  # forged onto b's queue, claiming a's task id
+    outcomes = waiter.wait(pending, Deadline(1.5))
+    assert outcomes["a"].ending is Ending.STRAGGLER, outcomes
+    running = client.run_round("a", steps=1)
+    beats.beat("a", state="running", task_id=running.id)
+    _refuse(client, "a", running.id)  # a copy claiming the id of the task that runs
+    outcome = waiter.wait({"a": running}, Deadline(1.5))["a"]
+    assert outcome.ending is Ending.STRAGGLER, outcome
+    refused = client.run_round("a", steps=1)
+    beats.beat("a")
+    _refuse(client, "a", refused.id, reason="expired")
+    started = time.monotonic()
+    outcome = waiter.wait({"a": refused}, Deadline(60))["a"]
+    assert outcome.ending is Ending.ERROR and outcome.reason == "refused by a's gate: expired: test", outcome
+    assert time.monotonic() - started < 10 and stop_requested(client, refused.id)
 
 
 def test_quorum_plus_grace_ends_a_round_and_stops_the_stragglers(beats: Beats) -> None:
