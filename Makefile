@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.roundhouse-installed
 
-.PHONY: install system-deps test lint typecheck unit demo clean
+.PHONY: install system-deps compose-deps test compose-test lint typecheck unit demo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,22 @@ typecheck: install
 
 test: lint typecheck
 	$(PY) -m pytest -q
+
+# The compose stack built and run (tests/compose): Debian's Docker engine, started by the
+# test on a socket of its own, docker-compose v1 and debootstrap for the base image (no
+# registry is reachable on the CI machines). Installed from Debian when missing, as root.
+COMPOSE_TOOLS := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap
+compose-deps:
+	@for pair in $(COMPOSE_TOOLS); do \
+		command -v "$${pair%%:*}" >/dev/null 2>&1 && continue; \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$${pair#*:}" >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$${pair#*:}" >/dev/null; }; \
+		else echo "$${pair%%:*} is missing: install $${pair#*:}"; fi; \
+	done
+
+compose-test: install compose-deps
+	$(PY) -m pytest -q -m compose tests/compose
 
 demo: install
 	$(VENV)/bin/roundhouse demo

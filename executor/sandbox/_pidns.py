@@ -68,6 +68,16 @@ def _setns(fd: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
+def _descends(pid: int, parents: dict[int, int], ancestors: set[int]) -> bool:
+    """Whether a parent, grandparent, … of ``pid`` (by ``parents``) is in ``ancestors``."""
+    seen: set[int] = set()
+    while (pid := parents.get(pid, 0)) > 1 and pid not in seen:
+        if pid in ancestors:
+            return True
+        seen.add(pid)
+    return False
+
+
 def _stopped(pid: int) -> bool:
     """Every thread of ``pid`` stopped (or gone): a SIGSTOP stops threads one by one."""
     try:
@@ -87,6 +97,7 @@ class PidNamespace(Confinement):
         super().__init__(timeout_s)
         self._outer = _ns_inode(os.getpid())
         self._ns: int | None = None
+        self._init = 0  # the namespace's init, by host pid
         self._fds: list[int] = []  # pidfds of the namespace's init and of the launch, the namespace
 
     def started(self, pid: int) -> None:
@@ -108,7 +119,7 @@ class PidNamespace(Confinement):
                     fds = [os.pidfd_open(child), os.pidfd_open(pid)]
                     fds.append(os.open(f"/proc/{child}/ns/pid", os.O_RDONLY | os.O_CLOEXEC))
                     if os.fstat(fds[2]).st_ino == ns:  # still the same process
-                        self._ns, self._fds = ns, fds
+                        self._ns, self._fds, self._init = ns, fds, child
                         return True
                     for fd in fds:
                         os.close(fd)
@@ -123,16 +134,42 @@ class PidNamespace(Confinement):
             return set()
         verdict = {self._ns: True, self._outer: False}
         members: set[int] = set()
+        parents: dict[int, int] = {}
+        unreadable: list[int] = []
         for entry in filter(str.isdigit, os.listdir("/proc")):
+            pid = int(entry)
+            if (stat := proc_stat(f"/proc/{pid}/stat")) is None or stat[0] in DEAD:
+                continue
+            parents[pid] = stat[1]
             try:
-                ns = _ns_inode(int(entry))
+                ns = _ns_inode(pid)
+            except PermissionError:
+                unreadable.append(pid)
+                continue
             except (OSError, ValueError):
                 continue
             if (inside := verdict.get(ns)) is None:
-                inside = verdict[ns] = _nested_in(int(entry), self._ns)
-            if inside and proc_state(int(entry)) not in DEAD:
-                members.add(int(entry))
+                inside = verdict[ns] = _nested_in(pid, self._ns)
+            if inside:
+                members.add(pid)
+        # A worker without CAP_SYS_PTRACE (a container's root, by default) may not read the
+        # /proc/<pid>/ns of the sandbox's uid: there, a member is a descendant of a member (the
+        # namespace's init among them) — an orphan of a pid namespace is reparented to its init,
+        # so no process of the namespace escapes the ancestry. Without this the thaw missed the
+        # tenant's processes and left the runner stopped for good.
+        # The init by pid only while its pidfd says it lives: a pid of a dead init may be reused.
+        ancestors = members | ({self._init} if unreadable and self._init_lives() else set())
+        for pid in unreadable:
+            if pid in ancestors or _descends(pid, parents, ancestors):
+                members.add(pid)
         return members
+
+    def _init_lives(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self._fds[0], 0)
+            return True
+        except (ProcessLookupError, IndexError, OSError):
+            return False
 
     def freeze(self) -> None:
         """SIGSTOP the init, then every other process at once (``_signal_all``); wait until every

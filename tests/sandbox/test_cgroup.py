@@ -8,6 +8,7 @@ have the v1 ``memory``, ``pids`` and ``freezer`` controllers, a missing cgroup1 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -339,6 +340,59 @@ def test_pidns_finds_and_kills_a_nested_namespace(confined: Confinement, launch:
     assert confined.kill({sleep}) == 2  # the shell, its parent, is spared with it
     assert confined.pids() == {shell, sleep}
     assert confined.memory_bytes() is None and confined.launch_prefix() == []
+
+
+# A worker as a container's root runs it: without CAP_SYS_PTRACE, so /proc/<pid>/ns of the
+# sandbox's uid cannot be read. The sandbox's init is root's (as bwrap is), its child the tenant.
+PTRACELESS = """
+import json, os, subprocess, sys, time
+from executor.sandbox._cgroup import confine
+unshare, spin, uid = json.loads(sys.argv[1])
+def ticks(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+c = confine(f"test-{os.getpid()}-ptraceless", memory_bytes=256 << 20, max_procs=64, prefer="pidns")
+tenant_shell = f'/usr/bin/setpriv --reuid={uid} --regid={uid} --clear-groups "$0" -c "$1"; exit $?'
+argv = [*unshare, "/bin/sh", "-c", tenant_shell, sys.executable, spin]
+p = subprocess.Popen(argv, env={}, stdout=subprocess.PIPE)
+c.started(p.pid)
+assert p.stdout.readline() == b"ready\\n"
+tenant = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+          if os.stat(f"/proc/{pid}").st_uid == uid and "-c" in open(f"/proc/{pid}/cmdline").read()]
+try:
+    os.readlink(f"/proc/{tenant[0]}/ns/pid")
+    readable = True
+except PermissionError:
+    readable = False
+seen = c.pids()
+c.freeze()
+before = ticks(tenant[0])
+time.sleep(0.3)
+frozen = ticks(tenant[0]) - before
+c.thaw()
+time.sleep(0.3)
+thawed = ticks(tenant[0]) - before - frozen
+c.close()
+seen = sorted(seen)
+print(json.dumps({"tenant": tenant, "readable": readable, "seen": seen, "frozen": frozen, "thawed": thawed}))
+"""
+
+
+@needs_root
+def test_pidns_holds_the_tenant_when_its_proc_entries_are_unreadable() -> None:
+    # Found in the compose stack: the thaw sent SIGCONT only to the processes whose namespace
+    # it could read, so the runner stayed stopped and the round hung.
+    uid = 65533
+    argv = [
+        "/usr/bin/setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace",
+        sys.executable, "-c", PTRACELESS, json.dumps([UNSHARE, SPIN, uid]),
+    ]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(report["tenant"]) == 1 and not report["readable"], report  # the situation under test
+    assert report["tenant"][0] in report["seen"], report
+    assert report["frozen"] == 0 and report["thawed"] > 0, report
 
 
 # ---------------------------------------------------------------- limits (cgroups with controllers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 from pathlib import Path
@@ -82,3 +83,24 @@ def test_procfile_and_dockerfile_commands_exist() -> None:
                 assert (REPO / source).exists(), source
     cmd = next(line for line in dockerfile.splitlines() if line.startswith("CMD "))
     check_command(yaml.safe_load(cmd[4:]))
+
+
+def test_the_no_registry_override_builds_every_image_from_files_that_exist(compose: dict) -> None:
+    # deploy/compose/no-registry.yml is what `make compose-test` runs (tests/compose): each
+    # service it changes is one of the stack's, each build names a Dockerfile here, and every
+    # file those Dockerfiles COPY is in their context.
+    override = yaml.safe_load((REPO / "deploy" / "compose" / "no-registry.yml").read_text())
+    assert set(override["services"]) <= set(compose["services"])
+    for name, service in override["services"].items():
+        build = service["build"]
+        assert build["network"] == "host" and "BASE_IMAGE" in build["args"], name
+        context = REPO / build["context"]
+        dockerfile = (context / build.get("dockerfile", "Dockerfile")).read_text()
+        assert dockerfile.startswith("#") and "FROM ${BASE_IMAGE}" in dockerfile, name
+        for line in dockerfile.splitlines():
+            if line.startswith("COPY "):
+                for source in line.split()[1:-1]:
+                    path = context / source
+                    assert path.exists(), (name, source)
+                    assert not source.endswith(".sh") or os.access(path, os.X_OK), (name, source)
+    assert os.access(REPO / "scripts" / "docker_base.sh", os.X_OK)
