@@ -5,11 +5,12 @@ Every segment retries on its own and resumes with ``Range: bytes=<done>-<end>``;
 sidecar records each segment's progress, so a crashed download resumes segment-wise.
 The partial file is preallocated so that segments can ``pwrite`` at their offsets.
 
-A large file is cut into more segments than connections (at most ``SEGMENT_MAX_BYTES``
-each), and each connection takes the next one when it is done. So the part of the file
-written without a gap grows steadily from the front, about N segments behind the newest
-bytes, and a hash follower (:mod:`._follower`) can hash it as it lands instead of after
-the last segment; with N segments of a 1/N each, the front is complete only at the end.
+A large file is cut into more segments than connections (at most
+``TransferConfig.segment_max_bytes`` each), and each connection takes the next one when it
+is done. So the part of the file written without a gap grows steadily from the front, about
+N segments behind the newest bytes, and a hash follower (:mod:`._follower`) can hash it as
+it lands instead of after the last segment; with N segments of a 1/N each, the front is
+complete only at the end.
 """
 
 from __future__ import annotations
@@ -43,10 +44,6 @@ from executor.transfer._session import new_session
 from executor.transfer._urls import redact_url, url_host
 
 SEGMENT_ALIGN_BYTES = 64 * 1024
-# One request's worth per connection at a time: at 12 MB/s (a per-connection cap) 32 MiB is
-# about 3 s, so a request's round trip costs little, and N connections run N * 32 MiB ahead
-# of the gapless front that the hash follows.
-SEGMENT_MAX_BYTES = 32 * 1024 * 1024
 # A crash loses at most this much progress per segment, and the sidecar is not
 # rewritten after every read.
 RECORD_EVERY_BYTES = 4 * MIB
@@ -54,11 +51,11 @@ RECORD_EVERY_BYTES = 4 * MIB
 SUPERVISOR_POLL_S = 0.05
 
 
-def plan_segments(total_bytes: int, connections: int) -> list[list[int]]:
+def plan_segments(total_bytes: int, connections: int, max_bytes: int) -> list[list[int]]:
     """Split ``[0, total_bytes)`` into aligned ``[start, end, 0]`` segments: ``connections`` of
-    them, or segments of ``SEGMENT_MAX_BYTES`` when those would be larger."""
+    them, or segments of ``max_bytes`` when those would be larger."""
     count = max(1, min(connections, -(-total_bytes // SEGMENT_ALIGN_BYTES)))
-    size = min(-(-total_bytes // count), SEGMENT_MAX_BYTES)
+    size = min(-(-total_bytes // count), max_bytes)
     size = -(-size // SEGMENT_ALIGN_BYTES) * SEGMENT_ALIGN_BYTES
     return [[start, min(start + size, total_bytes), 0] for start in range(0, total_bytes, size)]
 

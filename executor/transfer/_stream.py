@@ -328,7 +328,7 @@ class _Stream:
             or not self._accepts_ranges(response)
         ):
             return None
-        segments = plan_segments(total_bytes, self.config.parallel_connections)
+        segments = plan_segments(total_bytes, self.config.parallel_connections, self.config.segment_max_bytes)
         return segments if len(segments) >= 2 else None
 
     def _probe(

@@ -853,20 +853,18 @@ def test_a_split_download_in_many_segments_is_hashed_as_its_front_lands(
     # More segments than connections, taken in file order: the sha256 and a digest given with
     # ``follow`` follow the gapless front, so the file is not read a second time.
     import executor.transfer._local as local_module
-    import executor.transfer._ranged as ranged_module
 
     def second_pass(*_args: object, **_kwargs: object) -> str:
         raise AssertionError("the file was hashed again after the download")
 
     monkeypatch.setattr(local_module, "hash_file", second_pass)
-    monkeypatch.setattr(ranged_module, "SEGMENT_MAX_BYTES", 1 * MIB)
     digest = _write_random(root / "s.bin", 12 * MIB + 12345)
     # One reset mid-segment too: the segment resumes and the front still arrives whole.
     server.add_fault("s.bin", "reset", range_start_min=5 * MIB, after_bytes=300_000, delay_s=0.1)
     result = fetch(
         server.url("s.bin"),
         str(out / "s"),
-        config=_parallel_config(3),
+        config=dataclasses.replace(_parallel_config(3), segment_max_bytes=1 * MIB),
         sha256=digest,
         follow=hashlib.blake2b,  # any digest of the bytes in order
     )
