@@ -17,10 +17,11 @@ deb $mirror bookworm-updates main
 deb http://deb.debian.org/debian-security bookworm-security main
 SOURCES
 # Where TLS goes through a proxy that signs with its own CA (as on the CI machines), the
-# image must trust it too: the build host's bundle (CA_BUNDLE, else SSL_CERT_FILE) replaces
-# the image's, and pip (which otherwise trusts only its own certifi copy) is pointed at it.
-ca=${CA_BUNDLE:-${SSL_CERT_FILE:-}}
-if [ -n "$ca" ]; then cp "$ca" "$root/etc/ssl/certs/ca-certificates.crt"; fi
+# image must trust it too: the build host's bundle (CA_BUNDLE, else SSL_CERT_FILE, else the
+# system's) replaces the image's, and pip (which otherwise trusts only its own certifi copy)
+# is pointed at it.
+ca=${CA_BUNDLE:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}
+if [ -f "$ca" ]; then cp "$ca" "$root/etc/ssl/certs/ca-certificates.crt"; fi
 # Nothing else of the build host's stays in the image: the downloaded packages and lists go.
 rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
 # An imported image has no configuration: PATH and the locale as the official images set them.
