@@ -2,9 +2,9 @@
 the segment size of a split download, side by side.
 
 One nginx on loopback, ``transfer.fetch`` forced to split (``parallel_below_bytes_s=0``, its
-8 connections), ``TransferConfig.segment_max_bytes`` set to each size in turn, the sizes alternated run by
-run in one process; ``--sha256`` checks the file's hash as the load does (the hash follows
-the gapless front). ``--dir /dev/shm`` takes the disk out. Prints the medians and writes
+8 connections), ``TransferConfig.segment_max_bytes`` set to each size in turn, the sizes
+alternated run by run in one process; ``--sha256`` checks the file's hash as the load does
+(the hash follows the gapless front). ``--dir /dev/shm`` takes the disk out. Prints the medians and writes
 ``bench/results/segments.json``. The figures behind its default (docs/BENCHMARKS.md,
 "Quiet reruns").
 """

@@ -134,41 +134,47 @@ class PidNamespace(Confinement):
             return set()
         verdict = {self._ns: True, self._outer: False}
         members: set[int] = set()
-        parents: dict[int, int] = {}
         unreadable: list[int] = []
         for entry in filter(str.isdigit, os.listdir("/proc")):
-            pid = int(entry)
-            if (stat := proc_stat(f"/proc/{pid}/stat")) is None or stat[0] in DEAD:
-                continue
-            parents[pid] = stat[1]
             try:
-                ns = _ns_inode(pid)
+                ns = _ns_inode(int(entry))
             except PermissionError:
-                unreadable.append(pid)
+                unreadable.append(int(entry))
                 continue
             except (OSError, ValueError):
                 continue
             if (inside := verdict.get(ns)) is None:
-                inside = verdict[ns] = _nested_in(pid, self._ns)
-            if inside:
-                members.add(pid)
-        # A worker without CAP_SYS_PTRACE (a container's root, by default) may not read the
-        # /proc/<pid>/ns of the sandbox's uid: there, a member is a descendant of a member (the
-        # namespace's init among them) — an orphan of a pid namespace is reparented to its init,
-        # so no process of the namespace escapes the ancestry. Without this the thaw missed the
-        # tenant's processes and left the runner stopped for good.
-        # The init by pid only while its pidfd says it lives: a pid of a dead init may be reused.
-        ancestors = members | ({self._init} if unreadable and self._init_lives() else set())
-        for pid in unreadable:
-            if pid in ancestors or _descends(pid, parents, ancestors):
-                members.add(pid)
+                inside = verdict[ns] = _nested_in(int(entry), self._ns)
+            if inside and proc_state(int(entry)) not in DEAD:
+                members.add(int(entry))
+        if unreadable:
+            members |= self._descendants(unreadable, members)
         return members
+
+    def _descendants(self, unreadable: list[int], members: set[int]) -> set[int]:
+        """The live ``unreadable`` processes that descend from a member or from the namespace's
+        init. A worker without CAP_SYS_PTRACE (a container's root, by default) may not read the
+        /proc/<pid>/ns of the sandbox's uid; an orphan of a pid namespace is reparented to its
+        init, so no process of the namespace escapes the ancestry. Without this the thaw missed
+        the tenant's processes and left the runner stopped for good. Only here is every ppid
+        read: a worker that can read every namespace never pays for it."""
+        parents: dict[int, int] = {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            if (stat := proc_stat(f"/proc/{entry}/stat")) is not None and stat[0] not in DEAD:
+                parents[int(entry)] = stat[1]
+        # The init by pid only while its pidfd says it lives: a pid of a dead init may be reused.
+        ancestors = members | ({self._init} if self._init_lives() else set())
+        return {
+            pid
+            for pid in unreadable
+            if pid in parents and (pid in ancestors or _descends(pid, parents, ancestors))
+        }
 
     def _init_lives(self) -> bool:
         try:
             signal.pidfd_send_signal(self._fds[0], 0)
             return True
-        except (ProcessLookupError, IndexError, OSError):
+        except (IndexError, OSError):  # no pidfd yet, or its process is gone
             return False
 
     def freeze(self) -> None:

@@ -42,6 +42,16 @@ def check_command(argv: list[str]) -> None:
         raise AssertionError(f"unknown command {argv}")
 
 
+def copied_sources(dockerfile: str) -> list[str]:
+    """The sources of a Dockerfile's ``COPY`` lines, relative to its build context."""
+    return [
+        source
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ")
+        for source in line.split()[1:-1]
+    ]
+
+
 def test_compose_has_the_stack(compose: dict) -> None:
     services = compose["services"]
     assert set(services) == {"redis", "minio", "worker", "worker-cpu", "flower", "demo"}
@@ -77,10 +87,8 @@ def test_procfile_and_dockerfile_commands_exist() -> None:
         command = re.sub(r"^\s*(?:[A-Z_]+=\S*\s+)+", "", command)
         check_command(shlex.split(command))
     dockerfile = (REPO / "Dockerfile").read_text()
-    for line in dockerfile.splitlines():
-        if line.startswith("COPY "):
-            for source in line.split()[1:-1]:
-                assert (REPO / source).exists(), source
+    for source in copied_sources(dockerfile):
+        assert (REPO / source).exists(), source
     cmd = next(line for line in dockerfile.splitlines() if line.startswith("CMD "))
     check_command(yaml.safe_load(cmd[4:]))
 
@@ -97,10 +105,8 @@ def test_the_no_registry_override_builds_every_image_from_files_that_exist(compo
         context = REPO / build["context"]
         dockerfile = (context / build.get("dockerfile", "Dockerfile")).read_text()
         assert dockerfile.startswith("#") and "FROM ${BASE_IMAGE}" in dockerfile, name
-        for line in dockerfile.splitlines():
-            if line.startswith("COPY "):
-                for source in line.split()[1:-1]:
-                    path = context / source
-                    assert path.exists(), (name, source)
-                    assert not source.endswith(".sh") or os.access(path, os.X_OK), (name, source)
+        for source in copied_sources(dockerfile):
+            path = context / source
+            assert path.exists(), (name, source)
+            assert not source.endswith(".sh") or os.access(path, os.X_OK), (name, source)
     assert os.access(REPO / "scripts" / "docker_base.sh", os.X_OK)
