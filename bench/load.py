@@ -15,7 +15,11 @@ loopback. Side by side in one run, the methods interleaved run by run, each afte
   child, bwrap sandbox) driven by ``RoundClient``, from the task sent to its result stored
   in Redis (polled every 5 ms): the model, the shard and the sandboxed runner's start
   (``import torch``), through Celery. A fresh tenant each run, so the shard is fetched
-  each time.
+  each time. Two workers side by side: one as shipped, which adopts its spare runner
+  (``ROUNDHOUSE_SANDBOX_SPARE``, started at boot and again after each load: the bench
+  waits until the next spare is up before it times anything else, so that its start falls
+  on no other method's time), and one with ``ROUNDHOUSE_SANDBOX_SPARE=false``, which starts
+  its runner beside the download.
 
 Targets (issue 15): ``Executor.load`` <= 0.9 x curl, ``load_model ready`` <= 1.0 x curl.
 Writes ``bench/results/load.json``.
@@ -121,11 +125,14 @@ class Methods:
         return run
 
 
-def worker_load(client: Any, model_url: str, shard: dict[str, Any], tenant: str) -> float:
+SPARE_READY = "spare sandboxed runner ready"
+
+
+def worker_load(client: Any, host: str, model_url: str, shard: dict[str, Any], tenant: str) -> float:
     from tests.support.rounds import stored_result
 
     started = time.monotonic()
-    pending = client.load_model(HOST, model_url, [shard], CODE, tenant=tenant)
+    pending = client.load_model(host, model_url, [shard], CODE, tenant=tenant)
     result = stored_result(pending, timeout_s=120, poll_s=0.005)
     seconds = time.monotonic() - started
     assert result.get("model_hash"), result
@@ -156,17 +163,17 @@ def main() -> int:
                 "Executor.load (sha256)": methods.load("sha256"),
                 "Executor.load (blake3)": methods.load("blake3"),
             }
-            worker = client = redis_server = None
+            workers: dict[str, Any] = {}
+            client = redis_server = None
             profile: list[str] = []
             if not args.no_worker:
-                worker, client, redis_server = start_worker(base)
-                runs = [0]
-
-                def via_worker() -> float:
-                    runs[0] += 1
-                    return worker_load(client, server.url("model.safetensors"), shard_desc, f"w{runs[0]}")
-
-                candidates["load_model ready (worker, sandboxed)"] = via_worker
+                workers, client, redis_server = start_workers(base)
+                model_url = server.url("model.safetensors")
+                for host, worker in workers.items():
+                    label = "spare" if host == HOST else "no spare"
+                    candidates[f"load_model ready (worker, {label})"] = via_worker(
+                        client, host, worker, model_url, shard_desc
+                    )
             seconds: dict[str, list[float]] = {name: [] for name in candidates}
             subprocess.run(["cat", str(www / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
             try:
@@ -176,8 +183,8 @@ def main() -> int:
                         seconds[name].append(timed(fn))
             finally:
                 methods.executor.shutdown()
-                if worker is not None:
-                    profile = worker_profile(worker.log())
+                for host, worker in workers.items():
+                    profile += [f"{host}: {line}" for line in worker_profile(worker.log())]
                     worker.stop()
                 if redis_server is not None:
                     redis_server.stop()
@@ -197,20 +204,48 @@ def worker_profile(log: str) -> list[str]:
     return lines
 
 
-def start_worker(base: Path) -> tuple[Any, Any, Any]:
+def via_worker(
+    client: Any, host: str, worker: Any, model_url: str, shard: dict[str, Any]
+) -> Callable[[], float]:
+    runs = [0]
+
+    def run() -> float:
+        runs[0] += 1
+        seconds = worker_load(client, host, model_url, shard, f"{host}-{runs[0]}")
+        if host == HOST:  # the spare the load replaced starts now: not on the next method's time
+            deadline = time.monotonic() + 120
+            while worker.log().count(SPARE_READY) < runs[0] + 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return seconds
+
+    return run
+
+
+def start_workers(base: Path) -> tuple[dict[str, Any], Any, Any]:
+    """The worker as shipped (its spare runner on) and one without a spare, on one Redis."""
     from orchestrator.local import EmbeddedRedis, LocalWorker
     from tasks.client import RoundClient
 
     redis_server = EmbeddedRedis(base / "redis").start()
-    worker = LocalWorker(
-        HOST,
-        redis_server.url,
-        base / "worker",
-        env={"ROUNDHOUSE_METRICS_PORT": "0", "ROUNDHOUSE_URL_ALLOW": "127.0.0.1"},
-    )
-    worker.start()
+    env = {"ROUNDHOUSE_METRICS_PORT": "0", "ROUNDHOUSE_URL_ALLOW": "127.0.0.1"}
+    workers = {
+        HOST: LocalWorker(
+            HOST, redis_server.url, base / "worker", env={**env, "ROUNDHOUSE_SANDBOX_SPARE": "true"}
+        ),
+        f"{HOST}-nospare": LocalWorker(
+            f"{HOST}-nospare",
+            redis_server.url,
+            base / "worker-nospare",
+            env={**env, "ROUNDHOUSE_SANDBOX_SPARE": "false"},
+        ),
+    }
+    for worker in workers.values():
+        worker.start()
+    deadline = time.monotonic() + 120
+    while SPARE_READY not in workers[HOST].log() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the spare of the worker's boot, before anything is timed
     client = RoundClient(Settings(broker_url=redis_server.url, host_id="bench-load-client"))
-    return worker, client, redis_server
+    return workers, client, redis_server
 
 
 def report(seconds: dict[str, list[float]], size: int, args: argparse.Namespace, profile: list[str]) -> int:

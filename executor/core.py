@@ -106,6 +106,7 @@ class Executor:
         )
         self._models.clean_leftovers()
         self._runner = self._round_runner(sandboxed)
+        self._runner.replenish()  # a spare runner while the worker waits for its first load
         self._thread: DoneThread | None = None
         self._session: Session | None = None
         self._round = RoundSpec(100, 0, 1, 0, "training")
@@ -217,14 +218,18 @@ class Executor:
             stage_first_shard=self._stage_first_shard,
             join_timeout_s=self.settings.stop_join_timeout_s,
         )
-        staged = pipeline.run(
-            model_url,
-            args,
-            code,
-            scheme=scheme,
-            dataset=self._dataset(args.tenant, args.descriptors),
-            previous=self._session,
-        )
+        try:
+            staged = pipeline.run(
+                model_url,
+                args,
+                code,
+                scheme=scheme,
+                dataset=self._dataset(args.tenant, args.descriptors),
+                previous=self._session,
+            )
+        except BaseException:
+            self._runner.replenish()  # a load that took the spare and failed: the next one's
+            raise
         model, artifact = staged.model, staged.artifact
         # The previous session's dataset was closed by the pipeline, its runner replaced.
         self._session = session = Session(
@@ -239,6 +244,7 @@ class Executor:
         )
         write_manifest(session, self._tmpdir)
         self._runner.open(session, warm=True)  # warm: torch and CUDA load now, not in round 1
+        self._runner.replenish()  # the load took the spare: the next session's starts now
         self.original_state = self.modified_state = None
         self._outcome = None
         logger.info("load complete: %d keys, hash %s", artifact.keys, model.model_hash)
@@ -318,6 +324,7 @@ class Executor:
         except BaseException as exc:  # the runner itself failed (it could not start, say)
             logger.exception("round runner failed")
             outcome = RoundOutcome.failed(failure(exc), time.monotonic() - started)
+        self._runner.replenish()  # a round that replaced a killed runner took the spare
         self.modified_state = outcome.trained
         self._outcome = replace(outcome, report=self._budget.report(outcome.report))
 
@@ -465,11 +472,12 @@ class Executor:
         self._thread = None
         gc.collect()
         placement.empty_device_cache()
+        self._runner.replenish()  # the spare went with the work dir; the next tenant's is new
         return wiped
 
     def _close_session(self) -> None:
         session, self._session = self._session, None
-        self._runner.close()
+        self._runner.close(spare=True)  # the spare's directories are in the work dir too
         if session is not None:
             session.dataset.close(timeout_s=self.settings.stop_join_timeout_s)
 

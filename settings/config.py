@@ -130,6 +130,9 @@ class Settings(BaseSettings):
     # Where the sandbox's limits are enforced from outside: its own cgroup (v2, else v1 memory +
     # pids + freezer), else its pid namespace; auto picks the strongest this host allows.
     sandbox_confinement: Literal["auto", "cgroup2", "cgroup1", "pidns"] = "auto"
+    # A spare runner (torch imported, frozen, no tenant code yet) kept ready for the next
+    # session, so that load_model does not wait for a sandboxed interpreter to start.
+    sandbox_spare: bool = True
     # What one round may send through Redis, counted in the worker (tenant code cannot lift it).
     round_stats_max_events: int = 20_000
     round_stats_max_mb: int = 16

@@ -18,6 +18,11 @@ import tempfile
 # Set at import, before any test module reads Settings or starts a worker.
 os.environ["ROUNDHOUSE_URL_ALLOW"] = "127.0.0.1,::1"
 os.environ.pop("ROUNDHOUSE_FILE_ROOTS", None)
+# No spare runner unless a test asks for one (tests/sandbox/test_spare.py, the worker tests of
+# it): the spare is a second sandboxed interpreter per executor, and the suite's counts of
+# runners and their starts are of the session's runner; two cores would also pay a torch
+# import per load.
+os.environ["ROUNDHOUSE_SANDBOX_SPARE"] = "false"
 
 # The signed control plane (DESIGN §11), as deployed: every worker the suite starts trusts the
 # session's development orchestrator certificate and nothing else, and every client of the

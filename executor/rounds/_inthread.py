@@ -54,7 +54,10 @@ class InThreadRunner:
         # Nothing to warm: torch and the CUDA context live in this process already.
         self._session = session
 
-    def close(self) -> None:
+    def replenish(self) -> None:
+        pass  # nothing to start ahead
+
+    def close(self, *, spare: bool = False) -> None:
         self._session = None
 
     def describe(self) -> dict[str, Any]:

@@ -110,8 +110,14 @@ class RoundRunner(Protocol):
         """Deliver the stop to running tenant code (called again until the round ends)."""
         ...
 
-    def close(self) -> None:
-        """The session is over: end whatever runs tenant code. Idempotent."""
+    def replenish(self) -> None:
+        """Start, in the background, what the next session's tenant code will run in, when
+        none is ready (called while the worker is between tasks). Never raises."""
+        ...
+
+    def close(self, *, spare: bool = False) -> None:
+        """The session is over: end whatever runs tenant code (``spare``: also what was
+        started ahead for the next session; a reset or shutdown). Idempotent."""
         ...
 
     def describe(self) -> dict[str, Any]:

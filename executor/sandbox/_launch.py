@@ -81,6 +81,7 @@ class SandboxConfig:
     disk_bytes: int | None = None  # the task dir's quota; None: derived from the model
     start_timeout_s: float = 180.0
     confinement: str = "auto"  # auto | cgroup2 | cgroup1 | pidns (executor.sandbox._cgroup)
+    spare: bool = True  # keep a spare runner started for the next session (bwrap only)
 
     @property
     def data_limit(self) -> int:
@@ -103,6 +104,7 @@ def sandbox_config(settings: Settings) -> SandboxConfig:
         wall_time_s=settings.sandbox_wall_time_s,
         disk_bytes=settings.sandbox_disk_mb * MIB if settings.sandbox_disk_mb else None,
         confinement=settings.sandbox_confinement,
+        spare=settings.sandbox_spare,
     )
 
 
@@ -189,14 +191,15 @@ def resolve_mode(requested: str, uid: int) -> str:
     )
 
 
-def _prlimit(config: SandboxConfig, file_bytes: int) -> list[str]:
+def _prlimit(config: SandboxConfig, file_bytes: int | None) -> list[str]:
     prlimit = shutil.which("prlimit") or "prlimit"
     return [
         prlimit,
         f"--nproc={config.max_procs}",
         f"--nofile={config.max_open_files}",
         f"--data={config.data_limit}",
-        f"--fsize={file_bytes}",
+        # None: a spare's, which lowers it itself before its first round's tenant code runs.
+        f"--fsize={'unlimited' if file_bytes is None else file_bytes}",
         "--core=0",
         "--",
     ]
@@ -342,7 +345,7 @@ def command(
     *,
     seccomp_fd: int | None,
     args_fd: int | None,
-    file_bytes: int,
+    file_bytes: int | None,
     program: tuple[str, ...] = RUNNER_PROGRAM,
 ) -> Launch:
     env = runner_environment(paths, cuda_visible)

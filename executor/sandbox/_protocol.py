@@ -2,8 +2,10 @@
 
 Worker → runner (runner's stdin)::
 
-    {"op": "init", "ro": "/ro", "task": "/task", "model_path": ..., "bundle_root": ..., "host_id": ...}
+    {"op": "init", "ro": "/ro", "task": "/task", "host_id": ...}   nothing of a session: a spare
+                                                       runner is started before its session is known
     {"op": "round", "spec": "<ro>/rounds/<id>.json"}   a RoundRequest, in a file the runner cannot write
+                                                       (the session's code is <ro>/code.py, read per round)
     {"op": "shard", "index": i, "ok": true, "path": ...}   the answer to a shard request
     {"op": "shard", "index": i, "ok": false, "error": {"code", "message"}}
     {"op": "stop"}
@@ -109,6 +111,12 @@ class RoundRequest:
     num_shards: int
     preprocessor_config: dict[str, Any]
     max_script_bytes: int
+    # The largest file the round may write (RLIMIT_FSIZE): the runner lowers its own limit to
+    # this before any of the round's tenant code runs (a spare was started without the
+    # model's size; lowering needs no privilege, and a tenant can never raise it again).
+    max_file_bytes: int
+    model_path: str  # the session's model and bundle, as the runner sees them
+    bundle_root: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,6 +127,9 @@ class RoundRequest:
             "num_shards": self.num_shards,
             "preprocessor_config": self.preprocessor_config,
             "max_script_bytes": self.max_script_bytes,
+            "max_file_bytes": self.max_file_bytes,
+            "model_path": self.model_path,
+            "bundle_root": self.bundle_root,
         }
 
     @classmethod
@@ -133,4 +144,7 @@ class RoundRequest:
                 num_shards=int(data["num_shards"]),
                 preprocessor_config=dict(data.get("preprocessor_config") or {}),
                 max_script_bytes=int(data["max_script_bytes"]),
+                max_file_bytes=int(data["max_file_bytes"]),
+                model_path=str(data["model_path"]),
+                bundle_root=None if data.get("bundle_root") is None else str(data["bundle_root"]),
             )

@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import queue
+import resource
 import signal
 import sys
 import threading
@@ -144,6 +145,7 @@ def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, sha
     outputs = RoundOutputs()
     result_name = None
     try:
+        _limit_file_size(request.max_file_bytes)
         with open(os.path.join(init["ro"], "code.py"), encoding="utf-8") as source:
             compiled = validate_script(source.read(), max_bytes=request.max_script_bytes)
     except BaseException as exc:
@@ -176,12 +178,21 @@ def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, sha
     )
 
 
+def _limit_file_size(max_bytes: int) -> None:
+    """Lower RLIMIT_FSIZE, soft and hard, to the round's bound before its tenant code runs:
+    a spare runner started without the model's size; once lowered, tenant code (no
+    CAP_SYS_RESOURCE) cannot raise it again, and what it forks inherits it."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if hard == resource.RLIM_INFINITY or hard > max_bytes:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+
 def _namespace(
     channel: Channel, init: dict[str, Any], request: RoundRequest, shards: ShardClient, outputs: RoundOutputs
 ) -> dict[str, Any]:
     view = SessionView(
-        model_path=init["model_path"],
-        bundle_root=init.get("bundle_root"),
+        model_path=request.model_path,
+        bundle_root=request.bundle_root,
         preprocessor_config=request.preprocessor_config,
         params=request.params,
         batch_size=request.batch_size,

@@ -4,6 +4,8 @@ Owns the session's sandbox directories (``<work>/sandbox/task``, writable by the
 sandbox uid; ``<work>/sandbox/ro``, the worker's) and the warm :class:`Supervisor` of the
 runner process: started at ``load_model``, reused by every round, torn down at the next
 load, a reset, a crash, or a stop that needed a kill (the next round then starts a fresh one).
+Where it can, it keeps a spare runner started ahead (:mod:`executor.sandbox._spare`), which
+each of those starts adopts instead of waiting for an interpreter.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from executor.sandbox._cgroup import support
 from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
 from executor.sandbox._protocol import RoundRequest
 from executor.sandbox._result import result_limit
+from executor.sandbox._spare import Spare
 from executor.sandbox._supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -60,6 +63,11 @@ class SandboxedRunner:
         self._max_script_bytes = max_script_bytes
         self._emit_log = emit_log
         self._emit_stats = emit_stats
+        spare_root = os.path.join(work_dir, "sandbox-spare")
+        self._spare = Spare(
+            Paths(os.path.join(spare_root, "task"), os.path.join(spare_root, "ro"), model_dir, bwrap=True),
+            self._supervisor_for,
+        )
         self._session: RoundSession | None = None
         self._supervisor: Supervisor | None = None
         # What a runner started by ``prepare`` was started with: (code, model path, file limit).
@@ -93,14 +101,14 @@ class SandboxedRunner:
             emit_log=emit_log,
             emit_stats=emit_stats,
         )
-        runner._supervisor_for_session().probe()  # the very launch rounds will use, or a refusal now
+        runner._supervisor_for(runner.paths).probe()  # the very launch rounds will use, or a refusal now
         return runner
 
-    def _supervisor_for_session(self) -> Supervisor:
+    def _supervisor_for(self, paths: Paths) -> Supervisor:
         return Supervisor(
             self.mode,
             self.config,
-            self.paths,
+            paths,
             host_id=self._host_id,
             cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
             emit_log=self._emit_log,
@@ -117,13 +125,33 @@ class SandboxedRunner:
         the model dir, where the new file appears by ``os.replace``."""
         self.close()
         limit = self._file_limit(model_bytes)
+        spare = self._take_spare(abort)
         with self._lock:
             if abort is not None and abort.is_set():
+                if spare is not None:
+                    spare.close()
                 return  # called off before it began: close() may already have run
-            supervisor = self._supervisor = self._supervisor_for_session()
+            supervisor = self._supervisor = spare or self._supervisor_for(self.paths)
             self._prepared = (code, model_path, limit)
+        if spare is not None:
+            spare.assign(code, limit)
+            return
         # Outside the lock: close() from another thread kills the runner while it starts.
-        supervisor.start(model_path, None, code, limit)
+        supervisor.start(code, limit)
+
+    def _take_spare(self, abort: threading.Event | None) -> Supervisor | None:
+        if not self._spare_enabled:
+            return None
+        return self._spare.take(self.paths, abort)
+
+    @property
+    def _spare_enabled(self) -> bool:
+        return self.config.spare and self.mode == "bwrap"
+
+    def replenish(self) -> None:
+        """Start a spare runner for the next session, unless one is there (or disabled)."""
+        if self._spare_enabled:
+            self._spare.replenish()
 
     def open(self, session: RoundSession, *, warm: bool) -> None:
         """A fresh runner for ``session`` (the previous one, if any, is ended first), or the one
@@ -133,7 +161,7 @@ class SandboxedRunner:
             supervisor, prepared, self._prepared = self._supervisor, self._prepared, None
         key = (session.code, session.model_path, self._file_limit(os.path.getsize(session.model_path)))
         adopt = supervisor is not None and supervisor.alive and prepared == key
-        if not adopt or session.bundle_root is not None:
+        if not adopt:
             self.close()
         self._session = session
         if warm:
@@ -145,7 +173,7 @@ class SandboxedRunner:
             limit = min(limit, self.config.disk_bytes)  # no single file beyond the dir's quota
         return limit
 
-    def _ensure(self) -> Supervisor:
+    def _ensure(self, stop: threading.Event | None = None) -> Supervisor:
         session = self._session
         if session is None:
             raise InvalidRequest("no model is loaded: send load_model first")
@@ -154,10 +182,16 @@ class SandboxedRunner:
                 return self._supervisor
             if self._supervisor is not None:
                 self._supervisor.close()
-            shutil.rmtree(self.paths.task, ignore_errors=True)
-            supervisor = self._supervisor_for_session()
+                self._supervisor = None
             limit = self._file_limit(os.path.getsize(session.model_path))
-            supervisor.start(session.model_path, session.bundle_root, session.code, limit)
+            spare = self._take_spare(stop)
+            if spare is not None:
+                spare.assign(session.code, limit)
+                self._supervisor = spare
+                return spare
+            shutil.rmtree(self.paths.task, ignore_errors=True)
+            supervisor = self._supervisor_for(self.paths)
+            supervisor.start(session.code, limit)
             self._supervisor = supervisor
             return supervisor
 
@@ -165,7 +199,8 @@ class SandboxedRunner:
         session = self._session
         if session is None:
             raise InvalidRequest("no model is loaded: send load_model first")
-        supervisor = self._ensure()
+        supervisor = self._ensure(stop)
+        size = os.path.getsize(session.model_path)
         request = RoundRequest(
             round_id=uuid.uuid4().hex[:16],
             spec=spec,
@@ -174,8 +209,11 @@ class SandboxedRunner:
             num_shards=session.dataset.num_shards,
             preprocessor_config=dict(session.preprocessor_config),
             max_script_bytes=self._max_script_bytes,
+            max_file_bytes=self._file_limit(size),
+            model_path=self.paths.inside(session.model_path),
+            bundle_root=self.paths.inside(session.bundle_root) if session.bundle_root else None,
         )
-        return supervisor.run_round(request, stop, result_limit(os.path.getsize(session.model_path)))
+        return supervisor.run_round(request, stop, result_limit(size))
 
     def _serve_shard(self, index: int) -> str:
         """Pin the shard in the cache and make it readable at ``/ro/shards`` (never writable)."""
@@ -214,6 +252,7 @@ class SandboxedRunner:
             "confinement": supervisor.confinement
             if supervisor is not None
             else support(self.config.confinement),
+            "spare": self._spare.state if self._spare_enabled else "off",
         }
 
     def interrupt(self) -> None:
@@ -223,7 +262,7 @@ class SandboxedRunner:
         if supervisor is not None:
             supervisor.request_stop()
 
-    def close(self) -> None:
+    def close(self, *, spare: bool = False) -> None:
         with self._lock:
             if self._supervisor is not None:
                 self._supervisor.close()
@@ -231,6 +270,8 @@ class SandboxedRunner:
             self._prepared = None
         self._session = None
         shutil.rmtree(os.path.dirname(self.paths.task), ignore_errors=True)
+        if spare:
+            self._spare.discard()
 
 
 def _same_file(a: str, b: str) -> bool:

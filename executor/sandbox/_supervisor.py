@@ -100,13 +100,25 @@ class Supervisor:
     def confinement(self) -> str:
         return self._confinement.kind if self._confinement is not None else "none"
 
-    def start(self, model_path: str, bundle_root: str | None, code: str, file_bytes: int) -> None:
-        prepare_dirs(self.paths, self.config)
-        with open(os.path.join(self.paths.ro, "code.py"), "w", encoding="utf-8") as file:
+    def start(self, code: str, file_bytes: int) -> None:
+        self.launch(file_bytes)
+        self.assign(code, file_bytes)
+
+    def assign(self, code: str, file_bytes: int) -> None:
+        """Give the started runner its session: the code every round reads (``/ro/code.py``:
+        the worker's file, never writable inside) and the task dir's quota. Each round's
+        request carries the file size limit the runner sets before the round's tenant code."""
+        path = os.path.join(self.paths.ro, "code.py")
+        with open(path, "w", encoding="utf-8") as file:
             file.write(code)
-        os.chmod(os.path.join(self.paths.ro, "code.py"), 0o644)
+        os.chmod(path, 0o644)
         self.quota_bytes = self.config.disk_bytes or file_bytes + RESULT_OVERHEAD_BYTES
-        confinement = self._confinement = self._confine("runner")
+
+    def launch(self, file_bytes: int | None, *, spare: bool = False) -> None:
+        """Start the runner and wait for its "ready", then freeze it. ``file_bytes`` None (a
+        spare's): no file size limit until its first round sets the session's."""
+        prepare_dirs(self.paths, self.config)
+        confinement = self._confinement = self._confine("spare" if spare else "runner")
         process = self._process = self._launch(confinement, file_bytes)
         if self._closed:  # closed while it launched: close() may not have seen this process
             confinement.kill(keep=set())
@@ -120,8 +132,6 @@ class Supervisor:
                 "op": "init",
                 "ro": self.paths.inside_ro,
                 "task": self.paths.inside_task,
-                "model_path": self.paths.inside(model_path),
-                "bundle_root": self.paths.inside(bundle_root) if bundle_root else None,
                 "host_id": self._host_id,
                 "kill_strays": True,
             }
@@ -138,15 +148,16 @@ class Supervisor:
         self._keep = confinement.pids()
         confinement.freeze()
         seconds = time.monotonic() - started
-        logger.info("sandboxed runner ready (%s, %s) in %.1fs", self.mode, confinement.kind, seconds)
+        what = "spare sandboxed runner" if spare else "sandboxed runner"
+        logger.info("%s ready (%s, %s) in %.1fs", what, self.mode, confinement.kind, seconds)
 
-    def _launch(self, confinement: Confinement, file_bytes: int) -> RunnerProcess:
+    def _launch(self, confinement: Confinement, file_bytes: int | None) -> RunnerProcess:
         with self._argv(confinement, file_bytes, RUNNER_PROGRAM) as (argv, fds):
             return RunnerProcess(argv, fds, emit_log=self._emit_log, on_violation=self.kill)
 
     @contextlib.contextmanager
     def _argv(
-        self, confinement: Confinement, file_bytes: int, program: tuple[str, ...]
+        self, confinement: Confinement, file_bytes: int | None, program: tuple[str, ...]
     ) -> Iterator[tuple[list[str], tuple[int, ...]]]:
         """The launch command and the descriptors it inherits (closed here once it has started)."""
         inherited: list[int] = []
