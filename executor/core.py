@@ -218,14 +218,10 @@ class Executor:
             stage_first_shard=self._stage_first_shard,
             join_timeout_s=self.settings.stop_join_timeout_s,
         )
+        dataset = self._dataset(args.tenant, args.descriptors)
         try:
             staged = pipeline.run(
-                model_url,
-                args,
-                code,
-                scheme=scheme,
-                dataset=self._dataset(args.tenant, args.descriptors),
-                previous=self._session,
+                model_url, args, code, scheme=scheme, dataset=dataset, previous=self._session
             )
         except BaseException:
             self._runner.replenish()  # a load that took the spare and failed: the next one's
