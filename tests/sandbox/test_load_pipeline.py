@@ -6,7 +6,6 @@ helper thread behind and no runner but the session's."""
 from __future__ import annotations
 
 import logging
-import random
 import subprocess
 import threading
 import time
@@ -21,9 +20,9 @@ from executor.delta import file_state_hash
 from executor.errors import BadArtifact, DownloadFailed, Stopped
 from executor.results import RoundStatus
 from executor.tensorfile import write_state
-from settings import Settings
-from tests.support.engine import make_shards, mlp_state, shard_descriptors
+from tests.support.engine import mlp_state
 from tests.support.http_server import FaultServer
+from tests.support.sandboxed import sandboxed_executor, serving_mlp
 
 pytestmark = pytest.mark.needs_sandbox
 
@@ -34,34 +33,19 @@ REPORT = "save_report({'ok': True, 'keys': len(load_model(model_path))})"
 @pytest.fixture()
 def served(tmp_path: Path) -> Iterator[tuple[FaultServer, list[dict]]]:
     root = tmp_path / "srv"
-    root.mkdir()
-    with open(root / "model.safetensors", "wb") as file:
-        write_state(file, mlp_state())
-    with open(root / "other.safetensors", "wb") as file:
-        write_state(file, mlp_state(seed=1))
-    # A valid header (so the runner starts) over a body that is not all there.
-    good = (root / "other.safetensors").read_bytes()
-    (root / "cut.safetensors").write_bytes(good[: len(good) - 40])
-    shards = make_shards(root)
-    with FaultServer(root) as server:
-        yield server, shard_descriptors(server, shards)
+    with serving_mlp(root) as served:
+        with open(root / "other.safetensors", "wb") as file:
+            write_state(file, mlp_state(seed=1))
+        # A valid header (so the runner starts) over a body that is not all there.
+        good = (root / "other.safetensors").read_bytes()
+        (root / "cut.safetensors").write_bytes(good[: len(good) - 40])
+        yield served
 
 
 def _executor(tmp_path: Path) -> Executor:
-    uid = 64000 + random.randrange(1000, 1900)
-    settings = Settings(
-        work_dir=str(tmp_path / "work"),
-        cache_dir=str(tmp_path / "cache"),
-        host_id="load-test",
-        sandbox="bwrap",
-        sandbox_uid=uid,
-        sandbox_gid=uid,
-        sandbox_memory_mb=3072,
-        sandbox_disk_mb=256,
-        download_backoff_s=0.01,
-        download_retries=1,
+    return sandboxed_executor(
+        tmp_path, "load-test", range(65000, 65900), download_backoff_s=0.01, download_retries=1
     )
-    return Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=True)
 
 
 def _runner_starts(caplog: pytest.LogCaptureFixture) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,10 +18,8 @@ import pytest
 from executor import Executor
 from executor.fileio import MIB
 from executor.results import RoundStatus
-from executor.tensorfile import write_state
-from settings import Settings
-from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
+from tests.support.sandboxed import sandboxed_executor, serving_mlp
 
 pytestmark = pytest.mark.needs_sandbox
 
@@ -55,29 +52,12 @@ save_report({'soft': soft, 'hard': hard, 'lifted': lifted, 'over': over, 'pids':
 
 @pytest.fixture()
 def served(tmp_path: Path) -> Iterator[tuple[FaultServer, list[dict]]]:
-    root = tmp_path / "srv"
-    root.mkdir()
-    with open(root / "model.safetensors", "wb") as file:
-        write_state(file, mlp_state())
-    shards = make_shards(root)
-    with FaultServer(root) as server:
-        yield server, shard_descriptors(server, shards)
+    with serving_mlp(tmp_path / "srv") as served:
+        yield served
 
 
 def _executor(tmp_path: Path) -> Executor:
-    uid = 64000 + random.randrange(1900, 2800)
-    settings = Settings(
-        work_dir=str(tmp_path / "work"),
-        cache_dir=str(tmp_path / "cache"),
-        host_id="spare-test",
-        sandbox="bwrap",
-        sandbox_uid=uid,
-        sandbox_gid=uid,
-        sandbox_memory_mb=3072,
-        sandbox_disk_mb=DISK_MB,
-        sandbox_spare=True,
-    )
-    return Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=True)
+    return sandboxed_executor(tmp_path, "spare-test", range(65900, 66800), sandbox_spare=True)
 
 
 def _spare_ready(ex: Executor) -> None:
