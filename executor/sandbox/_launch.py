@@ -55,6 +55,8 @@ GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-mo
 # imports the engine's ground floor from the sandbox's view of the code (cheap: no torch).
 RUNNER_PROGRAM = ("-m", "executor.sandbox")
 PROBE_PROGRAM = ("-c", "import executor.errors")
+# The host's system directories bound read-only as themselves (see _system_binds).
+SYSTEM_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_FILES = (
     "passwd",
     "group",
@@ -242,19 +244,59 @@ def runner_environment(paths: Paths, cuda_visible: str | None) -> dict[str, str]
         "TRANSFORMERS_OFFLINE": "1",
         "MPLCONFIGDIR": f"{cache}/matplotlib",
     }
+    sites = site_dirs()
     if paths.bwrap:
-        env["PYTHONPATH"] = f"{INSIDE_CODE}:{INSIDE_SITE}"
+        env["PYTHONPATH"] = ":".join([INSIDE_CODE, *(inside for _, inside in sites)])
         # The interpreter moved to /opt/python; its RUNPATH still names the host path.
-        env["LD_LIBRARY_PATH"] = f"{INSIDE_PYTHON}/lib"
+        env["LD_LIBRARY_PATH"] = ":".join([f"{INSIDE_PYTHON}/lib", *library_dirs(bwrap=True)])
     else:
-        env["PYTHONPATH"] = f"{CODE_ROOT}:{site_packages()}"
+        env["PYTHONPATH"] = ":".join([str(CODE_ROOT), *(host for host, _ in sites)])
+        if library_dirs(bwrap=False):
+            env["LD_LIBRARY_PATH"] = ":".join(library_dirs(bwrap=False))
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return env
 
 
-def site_packages() -> str:
-    return sysconfig.get_paths()["purelib"]
+@functools.cache
+def site_dirs() -> tuple[tuple[str, str], ...]:
+    """Where the worker imports packages from beside its interpreter's own library, each with
+    the path the runner sees it at: the entries of the worker's ``PYTHONPATH`` first (as in
+    the worker, they come before site-packages: an operator's extra or newer packages, such
+    as the GPU check's wheels beside an image's PyTorch), then the installation's
+    site-packages. The code root is not one (the runner gets its ``executor`` package
+    alone), nor is ``/`` or any directory above the code root: a ``PYTHONPATH`` naming one
+    would otherwise put the host's files in the sandbox."""
+    code = CODE_ROOT.resolve()
+    paths = sysconfig.get_paths()
+    candidates = [*os.environ.get("PYTHONPATH", "").split(os.pathsep), paths["purelib"], paths["platlib"]]
+    found: list[str] = []
+    for entry in candidates:
+        if not entry or not os.path.isdir(entry):
+            continue
+        path = Path(entry).resolve()
+        if path in code.parents:
+            logger.warning("PYTHONPATH entry %s is not shared with the sandbox: it holds the code", path)
+        elif path != code and str(path) not in found:
+            found.append(str(path))
+    return tuple((host, INSIDE_SITE if i == 0 else f"{INSIDE_SITE}-{i}") for i, host in enumerate(found))
+
+
+@functools.cache
+def library_dirs(*, bwrap: bool) -> tuple[str, ...]:
+    """The worker's ``LD_LIBRARY_PATH`` as far as the runner can see it. A GPU host's driver
+    (``libcuda.so``) is often found only through it (a driver directory mounted into the
+    container, ``/usr/local/nvidia/lib64``, say), and the runner's environment is otherwise
+    built from nothing. Under bwrap only the entries inside the system directories it binds
+    (``/usr``, ``/lib*``) are kept: those are the same files there."""
+    keep: list[str] = []
+    for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        if not entry or not os.path.isdir(entry) or entry in keep:
+            continue
+        if bwrap and not any(entry == root or entry.startswith(root + "/") for root in SYSTEM_ROOTS):
+            continue
+        keep.append(entry)
+    return tuple(keep)
 
 
 def python_inside() -> str:
@@ -269,8 +311,8 @@ def _system_binds() -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
     for directory in ("/etc", "/opt", INSIDE_CODE):
         args += ["--perms", "0755", "--dir", directory]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        path = Path("/") / name
+    for root in SYSTEM_ROOTS[1:]:
+        path = Path(root)
         if path.is_symlink():
             args += ["--symlink", os.readlink(path), str(path)]
         elif path.is_dir():
@@ -298,11 +340,14 @@ def bwrap_args(config: SandboxConfig, paths: Paths, env: dict[str, str], seccomp
     args = [
         "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--die-with-parent", "--new-session", "--hostname", "sandbox",
-        "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+        # setpriv needs CAP_SETPCAP to empty the bounding set: libcap-ng 0.8.4 (Ubuntu 24.04)
+        # refuses the launch without it ("apply bounding set"), 0.8.3 (Debian 12) silently
+        # left the whole bounding set in place. setpriv drops all three before the program.
+        "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
         "--clearenv",
         *_system_binds(),
         "--ro-bind", str(base), INSIDE_PYTHON,
-        "--ro-bind", site_packages(), INSIDE_SITE,
+        *(arg for host, inside in site_dirs() for arg in ("--ro-bind", host, inside)),
         "--ro-bind", str(CODE_ROOT / "executor"), f"{INSIDE_CODE}/executor",
         "--ro-bind", paths.model, INSIDE_MODEL,
         "--ro-bind", paths.ro, INSIDE_RO,

@@ -32,9 +32,12 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
+RESULTS = Path(os.environ.get("ROUNDHOUSE_GPU_RESULTS", "var/gpu/results.jsonl"))
+
+
 @pytest.fixture(scope="session")
 def record() -> Callable[..., None]:
-    path = Path(os.environ.get("ROUNDHOUSE_GPU_RESULTS", "var/gpu/results.jsonl"))
+    path = RESULTS
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(check: str, result: str, **figures: Any) -> None:
@@ -70,6 +73,9 @@ def gpu_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     finally:
         worker.stop()
         redis_server.stop()
+        # The worker's log travels back with the results: a GPU machine is lent for minutes.
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        (RESULTS.parent / "worker.log").write_text(worker.log())
 
 
 def shards_of(server: FaultServer, root: Path, names: list[str]) -> list[dict[str, Any]]:

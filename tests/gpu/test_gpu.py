@@ -17,7 +17,7 @@ from tests.support.engine import make_shards, mlp_state
 from tests.support.gpu_models import TENANT_CODE
 from tests.support.rounds import event_seq
 
-pytestmark = [needs_cuda, pytest.mark.timeout(600)]
+pytestmark = [needs_cuda, pytest.mark.timeout(200)]
 
 GIB = 1 << 30
 

@@ -523,6 +523,25 @@ def test_nested_user_namespaces_are_refused(world) -> None:  # type: ignore[no-u
     world.healthy()
 
 
+def test_tenant_code_holds_no_capability_not_even_in_its_bounding_set(world) -> None:  # type: ignore[no-untyped-def]
+    result = world.attack(
+        """
+        import os
+        lines = open('/proc/self/status').read().splitlines()
+        fields = dict(line.split(':', 1) for line in lines if ':' in line)
+        names = ('CapInh', 'CapPrm', 'CapEff', 'CapBnd', 'CapAmb', 'NoNewPrivs')
+        save_report({k: fields[k].strip() for k in names} | {'uid': os.getuid()})
+        """,
+    )
+    report = world.completed(result)
+    assert report["uid"] != 0, report
+    # An empty bounding set: no setuid or file-capability program could hand one back.
+    for field in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(report[field], 16) == 0, report
+    assert report["NoNewPrivs"] == "1", report
+    world.healthy()
+
+
 def test_a_loop_that_ignores_stop_is_killed_after_the_grace(world) -> None:  # type: ignore[no-untyped-def]
     executor = world.executor
     world.arm(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor.artifacts import checkpoint_state
 from executor.errors import GpuOutOfMemory, InvalidRequest
 from executor.placement import (
     GPU_OOM_MESSAGE,
@@ -119,6 +120,26 @@ def test_offload_really_runs_from_disk(tmp_path: Path) -> None:
     assert any(name.endswith(".dat") for name in files)
     with torch.no_grad():
         torch.testing.assert_close(placed(inputs), expected)
+
+
+def test_an_offloaded_models_state_is_its_real_weights_not_placeholders(tmp_path: Path) -> None:
+    model = mlp()
+    expected = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    placed = place_model(
+        model, params={}, offload_dir=str(tmp_path), emit_log=lambda _: None, free_bytes=lambda: 2 * LAYER_BYTES
+    )
+    offloaded = [key for key, tensor in placed.state_dict().items() if tensor.device.type == "meta"]
+    assert offloaded, "nothing was offloaded: the check would prove nothing"
+    # What a round's delta and save_model read (the GPU check saw the placeholders copied).
+    state = checkpoint_state(placed)
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert state[key].device.type == "cpu"
+        torch.testing.assert_close(state[key], tensor, rtol=0, atol=0)
+    # Reading them back left the placement as it was.
+    assert [key for key, tensor in placed.state_dict().items() if tensor.device.type == "meta"] == offloaded
+    with torch.no_grad():
+        torch.testing.assert_close(placed(torch.ones(1, 64)), mlp()(torch.ones(1, 64)))
 
 
 def test_a_budget_below_one_layer_puts_everything_on_disk(tmp_path: Path) -> None:
