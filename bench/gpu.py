@@ -47,7 +47,9 @@ def table() -> int:
     return 0
 
 
-def executor_steps_per_s(executor: Executor, server: FaultServer, root: Path, case, steps: int) -> float:  # type: ignore[no-untyped-def]
+def executor_steps_per_s(  # type: ignore[no-untyped-def]
+    executor: Executor, server: FaultServer, root: Path, case, steps: int
+) -> tuple[float, dict]:
     shards = [
         {"url": server.url(name), "compression": "zstd", "size_bytes": (root / name).stat().st_size}
         for name in case.shard_files
@@ -55,7 +57,8 @@ def executor_steps_per_s(executor: Executor, server: FaultServer, root: Path, ca
     executor.load(server.url(case.model_file), shards, TENANT_CODE, params=case.params)
     result = executor.run_round(steps=steps)
     assert result.error is None and result.report is not None, result.error
-    return float(result.report["steps_per_s"])
+    report = dict(result.report)
+    return float(report.pop("steps_per_s")), report
 
 
 def main() -> int:
@@ -74,6 +77,7 @@ def main() -> int:
         print("bench.gpu needs a CUDA device")
         return 1
     record: dict[str, dict[str, list[float]]] = {}
+    details: dict[str, dict[str, list[dict]]] = {}
     with scratch() as base:
         root = base / "srv"
         root.mkdir()
@@ -90,22 +94,35 @@ def main() -> int:
             with FaultServer(root) as server:
                 for key, case in cases.items():
                     record[key] = {"executor": [], "bare": []}
+                    details[key] = {"executor": [], "bare": []}
                     for _ in range(args.runs):  # alternating, so drift hits both alike
-                        record[key]["executor"].append(
-                            executor_steps_per_s(executor, server, root, case, args.steps)
-                        )
-                        record[key]["bare"].append(bare_loop(case, root, args.steps))
+                        for side in ("executor", "bare"):
+                            steps_per_s, detail = (
+                                executor_steps_per_s(executor, server, root, case, args.steps)
+                                if side == "executor"
+                                else bare_loop(case, root, args.steps)
+                            )
+                            record[key][side].append(steps_per_s)
+                            details[key][side].append(detail)
+                            print(f"{cases[key].name:<24} {side:<9}{steps_per_s:8.2f} steps/s  {detail}")
         finally:
             executor.shutdown()
     ROWS.parent.mkdir(parents=True, exist_ok=True)
     summary = {}
+    unsandboxed = " (no sandbox)" if mode == "off" else ""
     with ROWS.open("a") as out:
         for key, runs in record.items():
             ours, bare = statistics.median(runs["executor"]), statistics.median(runs["bare"])
             ratio = ours / bare
-            summary[key] = {"executor_steps_s": ours, "bare_steps_s": bare, "ratio": ratio, "runs": runs}
+            summary[key] = {
+                "executor_steps_s": ours,
+                "bare_steps_s": bare,
+                "ratio": ratio,
+                "runs": runs,
+                "details": details[key],
+            }
             row = {
-                "check": f"steps/s {cases[key].name}: executor vs bare",
+                "check": f"steps/s {cases[key].name}: executor{unsandboxed} vs bare",
                 "result": "pass" if ratio >= 0.98 else "below",
                 "executor": round(ours, 2),
                 "bare": round(bare, 2),

@@ -33,7 +33,7 @@ def loss_of(model, batch):
 def train(model, steps, num_shards, shard_at, on_step):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
-    timed_from = None
+    marks = []
     for step in range(steps):
         batch = batch_of(shard_at(step % num_shards))
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -43,9 +43,13 @@ def train(model, steps, num_shards, shard_at, on_step):
         opt.step()
         value = loss.item()
         on_step(step, value)
-        if step == 0:
-            timed_from = time.perf_counter()  # step 0 pays cuDNN autotuning and allocator growth
-    return (steps - 1) / (time.perf_counter() - timed_from), value
+        marks.append(time.perf_counter())  # step 0 pays cuDNN autotuning and allocator growth
+    # Where a gap comes from: the median step of the later half (steady state) and the size
+    # of the model that trained (an untied head would be a bigger model, not a slower loop).
+    late = sorted(b - a for a, b in zip(marks[len(marks) // 2 :], marks[len(marks) // 2 + 1 :]))
+    detail = {"late_step_ms": 1e3 * late[len(late) // 2] if late else None,
+              "params": sum(p.numel() for p in model.parameters())}
+    return (steps - 1) / (marks[-1] - marks[0]), value, detail
 """
 
 TENANT_CODE = (
@@ -56,9 +60,9 @@ model = place_model(materialize_model(load_model(model_path)))
 def on_step(step, value):
     should_stop()
     emit_stats({"step": step, "loss": value})
-steps_per_s, last = train(model, steps, num_shards, get_shard, on_step)
+steps_per_s, last, detail = train(model, steps, num_shards, get_shard, on_step)
 save_model(model)
-save_report({"steps_per_s": steps_per_s, "loss": last, "device": str(device)})
+save_report({"steps_per_s": steps_per_s, "loss": last, "device": str(device), **detail})
 """
 )
 
@@ -160,8 +164,9 @@ def make_cases(root: Path, shards: int = 4) -> dict[str, GpuCase]:
     return {"timm": timm_case, "hf": hf_case}
 
 
-def bare_loop(case: GpuCase, root: Path, steps: int) -> float:
-    """Steps/s of the same script run as plain PyTorch in this process: the reference."""
+def bare_loop(case: GpuCase, root: Path, steps: int) -> tuple[float, dict[str, Any]]:
+    """Steps/s (and the loop's detail) of the same script run as plain PyTorch in this
+    process: the reference."""
     from executor.shards import load_shard_file
 
     namespace: dict[str, Any] = {"torch": torch, "device": torch.device("cuda")}
@@ -178,7 +183,9 @@ def bare_loop(case: GpuCase, root: Path, steps: int) -> float:
 
     model.load_state_dict(load_file(str(root / case.model_file)), strict=False)
     model = model.to("cuda")
-    steps_per_s, _ = namespace["train"](model, steps, len(shards), shards.__getitem__, lambda _s, _v: None)
+    steps_per_s, _, detail = namespace["train"](
+        model, steps, len(shards), shards.__getitem__, lambda _s, _v: None
+    )
     del model
     torch.cuda.empty_cache()
-    return float(steps_per_s)
+    return float(steps_per_s), dict(detail)
