@@ -161,11 +161,8 @@ def onloaded_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from accelerate.utils import align_module_device
 
     for prefix, module in model.named_modules():
-        own = [
-            name
-            for name, tensor in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
-            if tensor.device.type == "meta" and _key(prefix, name) in state
-        ]
+        tensors = (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+        own = [name for name, t in tensors if t.device.type == "meta" and _key(prefix, name) in state]
         if not own:
             continue
         # Inside, the module's own tensors are its weights map's (the CPU copy or the offload

@@ -15,6 +15,7 @@ every other process in the sandbox is killed, so nothing a round started outlive
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -29,7 +30,14 @@ from typing import IO, Any
 import torch
 
 from executor import errors, placement
-from executor.errors import ErrorInfo, InvalidRequest, RoundhouseError, SandboxProtocolError, Stopped
+from executor.errors import (
+    ErrorInfo,
+    InvalidRequest,
+    RoundhouseError,
+    SandboxProtocolError,
+    Stopped,
+    UserCodeError,
+)
 from executor.rounds import (
     Played,
     RoundOutputs,
@@ -165,7 +173,7 @@ def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, sha
             with open(os.path.join(init["task"], "out", result_name), "wb") as out:
                 write_state(out, end.trained)
         except BaseException as exc:
-            error, result_name = failure(exc), None
+            error, result_name = failure(_result_too_large(exc, request.max_file_bytes)), None
     _end_round(
         channel,
         _own_pid_namespace(init),
@@ -176,6 +184,21 @@ def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, sha
         end.seconds,
         result_name,
     )
+
+
+def _result_too_large(exc: BaseException, max_bytes: int) -> BaseException:
+    """A trained state over the round's file bound, said as such: a bare ``File too large``
+    named neither the bound nor its source (the GPU check's probe round left a 1.6 GB
+    module of its own in ``model`` beside a tiny loaded one)."""
+    if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+        return UserCodeError(
+            f"the trained state is larger than this round's bound for one file, {max_bytes} bytes "
+            "(twice the loaded model plus headroom, at most the task dir's quota): the round's "
+            "result is what save_model got, else the module left in `model`; that must be the "
+            "loaded model, trained",
+            {"max_file_bytes": max_bytes},
+        )
+    return exc
 
 
 def _limit_file_size(max_bytes: int) -> None:

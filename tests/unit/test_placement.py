@@ -125,8 +125,9 @@ def test_offload_really_runs_from_disk(tmp_path: Path) -> None:
 def test_an_offloaded_models_state_is_its_real_weights_not_placeholders(tmp_path: Path) -> None:
     model = mlp()
     expected = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    budget = 2 * LAYER_BYTES
     placed = place_model(
-        model, params={}, offload_dir=str(tmp_path), emit_log=lambda _: None, free_bytes=lambda: 2 * LAYER_BYTES
+        model, params={}, offload_dir=str(tmp_path), emit_log=lambda _: None, free_bytes=lambda: budget
     )
     offloaded = [key for key, tensor in placed.state_dict().items() if tensor.device.type == "meta"]
     assert offloaded, "nothing was offloaded: the check would prove nothing"
