@@ -15,7 +15,11 @@ the per-connection cap are what is modelled. Side by side, interleaved run by ru
   ``--reset-percent`` (1) of the responses mid-body (RST after a random 1-16 MiB);
 - shards: a round of tenant code that takes ``--shards`` 64 MiB shards, one per step, with
   ``--compute-s`` of (idle, GPU-like) compute per shard, the next shard prefetched; the waits
-  after the first shard against the round's time.
+  after the first shard against the round's time. Three such rounds, each with a cache of its
+  own: before the downloads, right after them (their writes still being flushed, as a GPU
+  host's shards follow its model's download), and after an ``os.sync()``; each samples
+  ``/proc/meminfo``'s Dirty and Writeback every 50 ms, so a wait can be set beside the
+  write backlog it ran into.
 
 Namespaces, veths and qdiscs are removed afterwards. Writes ``bench/results/wan.json``.
 """
@@ -187,10 +191,45 @@ def aria2c(binary: str, url: str, dest: Path) -> None:
     subprocess.run([*argv, "-o", dest.name, url], check=True, stdout=subprocess.DEVNULL)
 
 
+def meminfo_mib(*names: str) -> dict[str, float]:
+    values = {}
+    with open("/proc/meminfo") as file:
+        for line in file:
+            key, _, rest = line.partition(":")
+            if key in names:
+                values[key] = int(rest.split()[0]) / 1024  # kB
+    return values
+
+
+@contextmanager
+def backlog_sampler(period_s: float = 0.05) -> Iterator[dict[str, float]]:
+    """Dirty and Writeback (MiB) at the start and at their peak while the block runs."""
+    found: dict[str, float] = {}
+    start = meminfo_mib("Dirty", "Writeback")
+    found.update({"dirty_start_mib": start["Dirty"], "writeback_start_mib": start["Writeback"]})
+    peaks = dict(start)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(period_s):
+            for key, value in meminfo_mib("Dirty", "Writeback").items():
+                peaks[key] = max(peaks[key], value)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield found
+    finally:
+        done.set()
+        thread.join()
+        found.update({"dirty_peak_mib": peaks["Dirty"], "writeback_peak_mib": peaks["Writeback"]})
+
+
 def shard_round(
     base: Path, address: str, model_url: str, urls: list[str], compute_s: float
 ) -> dict[str, float]:
-    """One round over the shards: waits for each ``get_shard`` against the round's time."""
+    """One round over the shards (a cache of its own): waits for each ``get_shard`` against the
+    round's time, and the write backlog meanwhile."""
     code = f"""
 import time
 waits = []
@@ -202,9 +241,10 @@ for step in range(steps):
     time.sleep({compute_s})  # a GPU kernel: the CPU is free meanwhile
 save_report({{"waits": waits, "round_s": time.monotonic() - started}})
 """
+    run = f"shards-{len(list(base.glob('shard-work-*')))}"
     settings = Settings(
-        work_dir=str(base / "shard-work"),
-        cache_dir=str(base / "shard-cache"),
+        work_dir=str(base / f"shard-work-{run}"),
+        cache_dir=str(base / f"shard-cache-{run}"),
         url_allow=[address],
         shard_cache_max_mb=SHARD_MB * 4 + 16,
         stage_first_shard=False,
@@ -213,12 +253,19 @@ save_report({{"waits": waits, "round_s": time.monotonic() - started}})
     try:
         descriptors = [{"url": url, "compression": "none"} for url in urls]
         ex.load(model_url, descriptors, code)
-        result = ex.run_round(steps=len(urls), mode="inference")
+        with backlog_sampler() as backlog:
+            result = ex.run_round(steps=len(urls), mode="inference")
         report = result.report or {}
         if "waits" not in report:
             raise RuntimeError(f"the shard round failed: {result.to_json()}")
         waits = report["waits"]
-        return {"first_wait_s": waits[0], "later_waits_s": sum(waits[1:]), "round_s": report["round_s"]}
+        return {
+            "first_wait_s": waits[0],
+            "later_waits_s": sum(waits[1:]),
+            "round_s": report["round_s"],
+            "waits_s": waits,
+            **backlog,
+        }
     finally:
         ex.shutdown()
 
@@ -303,14 +350,22 @@ def measure(
         f"transfer.fetch, {args.reset_percent:g}% reset": lambda: fetch(cut_url, str(dest), config=defaults),
     }
     seconds: dict[str, list[float]] = {name: [] for name in methods}
+    shard_urls = [nginx.url(f"shard{i}.pt") for i in range(args.shards)]
+
+    def shards() -> dict[str, float]:
+        return shard_round(base, address, nginx.url("tiny.safetensors"), shard_urls, args.compute_s)
+
     try:
+        os.sync()
+        rounds = {"before the downloads": shards()}
         for _ in range(args.runs):
             for name, fn in methods.items():
                 for path in dest.parent.glob("*"):
                     path.unlink()
                 seconds[name].append(timed(fn))
-        shard_urls = [nginx.url(f"shard{i}.pt") for i in range(args.shards)]
-        shards = shard_round(base, address, nginx.url("tiny.safetensors"), shard_urls, args.compute_s)
+        rounds["right after the downloads"] = shards()  # their last writes still being flushed
+        os.sync()
+        rounds["after os.sync()"] = shards()
     finally:
         executor.shutdown()
     return {
@@ -321,7 +376,7 @@ def measure(
         "runs": args.runs,
         "seconds": seconds,
         "resets": proxy.resets,
-        "shards": {"count": args.shards, "mb": SHARD_MB, "compute_s": args.compute_s, **shards},
+        "shards": {"count": args.shards, "mb": SHARD_MB, "compute_s": args.compute_s, "rounds": rounds},
     }
 
 
@@ -337,12 +392,17 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> None:
         rate = size / value
         print(f"{name:<34}{value:>9.2f}{rate / 1e6:>8.1f}{rate / link_bytes_s:>8.2f}{value / aria:>10.2f}")
     shards = record["shards"]
-    later = shards["later_waits_s"] / shards["round_s"] * 100
-    print(
-        f"shards: {shards['count']} x {shards['mb']} MiB, {shards['compute_s']} s compute each: round "
-        f"{shards['round_s']:.2f} s, first wait {shards['first_wait_s']:.3f} s, later waits "
-        f"{shards['later_waits_s']:.3f} s = {later:.2f} % of the round"
-    )
+    print(f"shards: {shards['count']} x {shards['mb']} MiB, {shards['compute_s']} s compute each")
+    columns = f"{'first s':>9}{'later s':>9}{'later %':>9}{'Dirty MiB start/peak':>22}{'Writeback':>12}"
+    print(f"{'round':<28}{columns}")
+    for name, one in shards["rounds"].items():
+        later = one["later_waits_s"] / one["round_s"] * 100
+        dirty = f"{one['dirty_start_mib']:.0f}/{one['dirty_peak_mib']:.0f}"
+        writeback = f"{one['writeback_start_mib']:.0f}/{one['writeback_peak_mib']:.0f}"
+        print(
+            f"{name:<28}{one['first_wait_s']:>9.3f}{one['later_waits_s']:>9.3f}{later:>9.2f}"
+            f"{dirty:>22}{writeback:>12}"
+        )
 
 
 def _rate_bytes(rate: str) -> float:

@@ -109,19 +109,17 @@ class _Cgroup(Confinement):
 class Cgroup2(_Cgroup):
     kind = "cgroup2"
 
-    def freeze(self) -> None:
+    def _freeze(self) -> None:
         group = self.groups[0]
-        with self._lock:
-            write(f"{group}/cgroup.freeze", "1")
-            if not wait_until(lambda: "\nfrozen 1" in "\n" + read(f"{group}/cgroup.events"), self.timeout_s):
-                self.thaw()
-                raise SandboxRunnerError(f"sandbox group {group} did not freeze within {self.timeout_s} s")
-            self._frozen = True
+        write(f"{group}/cgroup.freeze", "1")
+        if not wait_until(lambda: "\nfrozen 1" in "\n" + read(f"{group}/cgroup.events"), self.timeout_s):
+            self.thaw()
+            raise SandboxRunnerError(f"sandbox group {group} did not freeze within {self.timeout_s} s")
+        self._frozen = True
 
-    def thaw(self) -> None:
-        with self._lock:
-            write(f"{self.groups[0]}/cgroup.freeze", "0")
-            self._frozen = False
+    def _thaw(self) -> None:
+        write(f"{self.groups[0]}/cgroup.freeze", "0")
+        self._frozen = False
 
     def memory_bytes(self) -> int | None:
         path = f"{self.groups[0]}/memory.current"
@@ -135,22 +133,18 @@ class Cgroup1(_Cgroup):
         super().__init__([freezer, memory, pids], timeout_s)
         self.freezer, self.memory = freezer, memory
 
-    def freeze(self) -> None:
+    def _freeze(self) -> None:
         state = f"{self.freezer}/freezer.state"
-        with self._lock:
-            write(state, "FROZEN")
-            # FREEZING until every task is frozen; a task in uninterruptible sleep can hold it there.
-            if not wait_until(lambda: read(state).strip() == "FROZEN", self.timeout_s):
-                self.thaw()
-                raise SandboxRunnerError(
-                    f"sandbox group {self.freezer} did not freeze within {self.timeout_s} s"
-                )
-            self._frozen = True
+        write(state, "FROZEN")
+        # FREEZING until every task is frozen; a task in uninterruptible sleep can hold it there.
+        if not wait_until(lambda: read(state).strip() == "FROZEN", self.timeout_s):
+            self.thaw()
+            raise SandboxRunnerError(f"sandbox group {self.freezer} did not freeze within {self.timeout_s} s")
+        self._frozen = True
 
-    def thaw(self) -> None:
-        with self._lock:
-            write(f"{self.freezer}/freezer.state", "THAWED")
-            self._frozen = False
+    def _thaw(self) -> None:
+        write(f"{self.freezer}/freezer.state", "THAWED")
+        self._frozen = False
 
     def _release(self, killed: set[int]) -> None:
         # Moving the killed out of the frozen group would thaw only them, but each move costs an

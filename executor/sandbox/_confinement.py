@@ -115,12 +115,26 @@ class Confinement:
         """Host pids of every live process of the sandbox now."""
         raise NotImplementedError
 
+    # Every operation on a closed confinement is a no-op: close() removed what it would act on,
+    # and two threads may end one sandbox at once (a load called off while the spare's own start
+    # fails; a round's watchdog and a reset). Each runs under the confinement's lock.
+
     def freeze(self) -> None:
         """Returns once nothing in the sandbox runs; ``SandboxRunnerError`` (and thawed) past the timeout."""
-        raise NotImplementedError
+        with self._lock:
+            if not self._closed:
+                self._freeze()
 
     def thaw(self) -> None:
         """Let the sandbox run again."""
+        with self._lock:
+            if not self._closed:
+                self._thaw()
+
+    def _freeze(self) -> None:
+        raise NotImplementedError
+
+    def _thaw(self) -> None:
         raise NotImplementedError
 
     def memory_bytes(self) -> int | None:
@@ -128,7 +142,8 @@ class Confinement:
         return None
 
     def close(self) -> None:
-        """Kill everything and remove the group(s); idempotent, never raises."""
+        """Kill everything and remove the group(s); idempotent, never raises; what comes after it
+        (freeze, thaw, kill) does nothing."""
         raise NotImplementedError
 
     def kill(self, keep: Collection[int] = ()) -> int:
@@ -146,6 +161,8 @@ class Confinement:
         ``SETTLE_S`` for them to be gone (zombies count as gone), so ``pids()`` is clean at once.
         """
         with self._lock:
+            if self._closed:
+                return 0
             was_frozen = self._frozen
             try:
                 if not was_frozen:

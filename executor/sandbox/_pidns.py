@@ -177,30 +177,29 @@ class PidNamespace(Confinement):
         except (IndexError, OSError):  # no pidfd yet, or its process is gone
             return False
 
-    def freeze(self) -> None:
+    def _freeze(self) -> None:
         """SIGSTOP the init, then every other process at once (``_signal_all``); wait until every
         thread is stopped (a SIGSTOP stops threads one by one)."""
-        with self._lock:
-            try:
-                if self._ns is None:
-                    return
-                signal.pidfd_send_signal(self._fds[0], signal.SIGSTOP)
-            except ProcessLookupError:  # its init is gone, and with it every process of the namespace
+        try:
+            if self._ns is None:
                 return
-            self._signal_all("STOP")
+            signal.pidfd_send_signal(self._fds[0], signal.SIGSTOP)
+        except ProcessLookupError:  # its init is gone, and with it every process of the namespace
+            return
+        self._signal_all("STOP")
 
-            def settled() -> bool:
-                running = [pid for pid in self.pids() if not _stopped(pid)]
-                for pid in running:  # resumed by someone allowed to signal it
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGSTOP)
-                return not running
+        def settled() -> bool:
+            running = [pid for pid in self.pids() if not _stopped(pid)]
+            for pid in running:  # resumed by someone allowed to signal it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            return not running
 
-            done = wait_until(settled, self.timeout_s)
-            self._frozen = True
-            if not done:
-                self.thaw()
-                raise SandboxRunnerError(f"pid namespace did not stop within {self.timeout_s} s")
+        done = wait_until(settled, self.timeout_s)
+        self._frozen = True
+        if not done:
+            self.thaw()
+            raise SandboxRunnerError(f"pid namespace did not stop within {self.timeout_s} s")
 
     def _signal_all(self, name: str) -> None:
         """``kill(-1)`` from a helper inside the namespace: every process there but its init, in one
@@ -229,12 +228,11 @@ class PidNamespace(Confinement):
         if os.waitpid(helper, 0)[1] != 0:
             raise SandboxRunnerError(f"the pid namespace's processes cannot be sent SIG{name}")
 
-    def thaw(self) -> None:
-        with self._lock:
-            for pid in self.pids():  # members only: a pid remembered from the freeze may be reused
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-            self._frozen = False
+    def _thaw(self) -> None:
+        for pid in self.pids():  # members only: a pid remembered from the freeze may be reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._frozen = False
 
     def close(self) -> None:
         """SIGKILL the namespace's init (the kernel then kills every process in it) and the launch."""

@@ -96,10 +96,9 @@ class Spare:
                 if not discarded:
                     self._failed_at = time.monotonic()
                     self._supervisor = self._thread = None
-            if discarded:
-                return  # discard() closes it (two closes at once would race on the cgroup)
-            supervisor.close()
-            logger.warning("spare sandboxed runner did not start: %s", exc)
+            supervisor.close()  # discard() may be closing it too: closes are serialised
+            if not discarded:
+                logger.warning("spare sandboxed runner did not start: %s", exc)
 
     def take(self, target: Paths, abort: threading.Event | None) -> Supervisor | None:
         """The spare (waiting for it when it is still starting: it began earlier than a fresh

@@ -88,6 +88,10 @@ class Supervisor:
         self._keep: set[int] = set()  # the sandbox's processes at "ready": bwrap, its init, the runner
         self._round_open = False
         self._closed = False  # close() came, maybe from another thread while start() ran
+        # kill() and close() from several threads (the watchdog, a stop, a reset, a spare's
+        # discard while its start fails) run one at a time: a close between another's look at
+        # the confinement and its use of it would leave that one acting on nothing.
+        self._ending = threading.RLock()
         self.quota_bytes = config.disk_bytes or MIN_RESULT_BYTES
 
     # ------------------------------------------------------------ lifecycle
@@ -221,22 +225,25 @@ class Supervisor:
         )
 
     def kill(self, reason: str = "killed") -> None:
-        """End the whole sandbox, whatever state it is in (frozen included)."""
-        process, confinement = self._process, self._confinement
-        if process is not None:
-            process.killed_for = process.killed_for or reason
-        if confinement is not None:
-            confinement.kill(keep=set())  # nothing of the sandbox runs another instruction
-            confinement.thaw()  # so that the killed processes can exit
-        if process is not None:
-            process.kill(reason)
+        """End the whole sandbox, whatever state it is in (frozen included). Idempotent."""
+        with self._ending:
+            process, confinement = self._process, self._confinement
+            if process is not None:
+                process.killed_for = process.killed_for or reason
+            if confinement is not None:
+                confinement.kill(keep=set())  # nothing of the sandbox runs another instruction
+                confinement.thaw()  # so that the killed processes can exit
+            if process is not None:
+                process.kill(reason)
 
     def close(self) -> None:
-        self._closed = True
-        self.kill("closed")
-        if self._confinement is not None:
-            self._confinement.close()
-        self._process = self._confinement = None
+        """End the sandbox and remove its confinement. Idempotent, and safe from any thread."""
+        self._closed = True  # before the lock: a launch in progress checks it without waiting
+        with self._ending:
+            self.kill("closed")
+            if self._confinement is not None:
+                self._confinement.close()
+            self._process = self._confinement = None
 
     def request_stop(self) -> None:
         process = self._process

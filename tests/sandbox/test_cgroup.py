@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,6 +187,39 @@ def test_an_unknown_preference_is_refused() -> None:
 
 
 # ---------------------------------------------------------------- choosing a kind
+
+
+@pytest.mark.parametrize("confined", ALL_KINDS, indirect=True)
+def test_two_threads_ending_one_sandbox_at_once_both_return(confined: Confinement, launch: Launcher) -> None:
+    # A spare discarded while its own start fails, a round's watchdog beside a reset: one closes
+    # while the other kills, freezes or thaws; the group may be gone between its look and its act.
+    process = launch.python(confined, SPIN)
+    failures: list[BaseException] = []
+
+    def end(action: str) -> None:
+        try:
+            if action == "close":
+                confined.close()
+            else:
+                for _ in range(20):
+                    confined.freeze()
+                    confined.kill(keep=set())
+                    confined.thaw()
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=end, args=(a,)) for a in ("kill", "close", "kill")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == [] and not any(thread.is_alive() for thread in threads), failures
+    assert process.wait(timeout=10) != 0
+    # After close, every operation does nothing (the group it would act on is gone).
+    confined.freeze()
+    assert confined.kill(keep=set()) == 0
+    confined.thaw()
+    assert confined.pids() == set()
 
 
 @needs_root
