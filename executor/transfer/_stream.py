@@ -10,7 +10,10 @@ feeding the GPU; from nginx on loopback (bench.download, 2 GiB) one stream took 
 eight 0.71 s. One stream is also hashed as it is written (:mod:`._follower`); a
 split download is hashed in a second pass. So the first GET copies its first
 ``PROBE_BYTES`` and the download splits only when that ran slower than
-``parallel_below_bytes_s``; the probed bytes are kept, not fetched again.
+``parallel_below_bytes_s``; the probed bytes are kept, not fetched again. What a probe
+measured is remembered per origin for ``ORIGIN_RATE_TTL_S``: the next download from an origin
+that ran slow splits at once, without ``PROBE_S`` on one capped stream (a shard prefetched
+while the GPU computes, bench.wan: fetch and compute were within that quarter second).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,6 +63,31 @@ PROBE_BYTES = 16 * MIB
 # eight connections would have fetched eight times as much; a nearby server sends 16 MiB in
 # a fraction of this.
 PROBE_S = 0.25
+# An origin's rate is kept this long: a link or a store's cap changes slowly, and a download
+# that split at once measures no single stream, so the next one after this probes again.
+ORIGIN_RATE_TTL_S = 300.0
+
+_origin_rates: dict[tuple[str, str, int], tuple[float, float]] = {}  # origin -> (bytes/s, when)
+_origin_lock = threading.Lock()
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def _known_rate(url: str) -> float | None:
+    with _origin_lock:
+        found = _origin_rates.get(_origin(url))
+    if found is None or time.monotonic() - found[1] > ORIGIN_RATE_TTL_S:
+        return None
+    return found[0]
+
+
+def _remember_rate(url: str, rate: float) -> None:
+    with _origin_lock:
+        _origin_rates[_origin(url)] = (rate, time.monotonic())
 
 
 class Downloaded(NamedTuple):
@@ -336,9 +366,14 @@ class _Stream:
     ) -> tuple[int, bool]:
         """Copy and time the first bytes of segment 0 (``PROBE_BYTES`` or ``PROBE_S``, whichever
         comes first): ``(bytes copied, split)``. A head to check comes first in any case, so
-        that it is checked before the segments start."""
+        that it is checked before the segments start. An origin a probe found slow within
+        ``ORIGIN_RATE_TTL_S`` is split at once, after the head."""
         threshold = self.config.parallel_below_bytes_s
-        end = min(PROBE_BYTES if threshold > 0 else self.limits.head_bytes, plan[0][1])
+        known = _known_rate(self.url) if threshold > 0 else None
+        at_once = threshold <= 0 or (known is not None and known < threshold)
+        if known is not None and at_once:
+            logger.debug("%s: origin ran at %.0f MB/s: split at once", redact_url(self.url), known / 1e6)
+        end = min(self.limits.head_bytes if at_once else PROBE_BYTES, plan[0][1])
         if end <= 0:
             return 0, True
         self.meter.reset(0, plan[-1][1])
@@ -362,9 +397,12 @@ class _Stream:
             )
             if got < stop_at and (until is None or time.monotonic() < until):
                 raise TransientError(f"body ended at byte {got} of {plan[-1][1]}")
+        if at_once:
+            return got, True
         rate = got / max(time.monotonic() - started, 1e-9)
         logger.debug("%s: one stream at %.0f MB/s", redact_url(self.url), rate / 1e6)
-        return got, threshold <= 0 or rate < threshold
+        _remember_rate(self.url, rate)
+        return got, rate < threshold
 
     def _accepts_ranges(self, response: requests.Response) -> bool:
         accept = response.headers.get("Accept-Ranges", "").strip().lower()

@@ -400,6 +400,27 @@ def test_first_connection_probe_decides_the_split(
         assert starts == [10 * MIB, 20 * MIB, 30 * MIB], starts
 
 
+def test_an_origin_that_ran_slow_is_split_at_once_next_time(
+    server: FaultServer, root: Path, out: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Everything is "slow" against this threshold: the first download probes the origin's one
+    # stream and splits; the second, from the same origin, splits right after the head.
+    config = dataclasses.replace(_parallel_config(4), parallel_below_bytes_s=10**15)
+    digests = {name: _write_random(root / name, 40 * MIB) for name in ("a.bin", "b.bin")}
+    probes, at_once = [], []
+    for name, digest in digests.items():
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="executor.transfer"):
+            result = fetch(server.url(name), str(out / name), config=config, sha256=digest)
+        assert result.connections == 4 and _sha256(out / name) == digest
+        probes.append(any("one stream at" in r.getMessage() for r in caplog.records))
+        at_once.append(any("split at once" in r.getMessage() for r in caplog.records))
+    assert probes == [True, False] and at_once == [False, True], (probes, at_once)
+    # No byte fetched twice either way: segment 0 stays on the first response.
+    starts = sorted(r.range_start() for r in server.requests if r.path == "b.bin" and r.range_header)
+    assert starts == [10 * MIB, 20 * MIB, 30 * MIB], starts
+
+
 def test_parallel_segment_fault_is_recovered(server: FaultServer, root: Path, out: Path) -> None:
     digest = _write_random(root / "p.bin", 16 * MIB)
     # Resets the first ranged request that is not segment 0, after 1 MiB of its body.
