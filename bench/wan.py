@@ -226,7 +226,7 @@ def backlog_sampler(period_s: float = 0.05) -> Iterator[dict[str, float]]:
 
 
 def shard_round(
-    base: Path, address: str, model_url: str, urls: list[str], compute_s: float
+    base: Path, address: str, model_url: str, urls: list[str], compute_s: float, label: str
 ) -> dict[str, float]:
     """One round over the shards (a cache of its own): waits for each ``get_shard`` against the
     round's time, and the write backlog meanwhile."""
@@ -241,10 +241,9 @@ for step in range(steps):
     time.sleep({compute_s})  # a GPU kernel: the CPU is free meanwhile
 save_report({{"waits": waits, "round_s": time.monotonic() - started}})
 """
-    run = f"shards-{len(list(base.glob('shard-work-*')))}"
     settings = Settings(
-        work_dir=str(base / f"shard-work-{run}"),
-        cache_dir=str(base / f"shard-cache-{run}"),
+        work_dir=str(base / f"shard-work-{label}"),
+        cache_dir=str(base / f"shard-cache-{label}"),
         url_allow=[address],
         shard_cache_max_mb=SHARD_MB * 4 + 16,
         stage_first_shard=False,
@@ -352,20 +351,20 @@ def measure(
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     shard_urls = [nginx.url(f"shard{i}.pt") for i in range(args.shards)]
 
-    def shards() -> dict[str, float]:
-        return shard_round(base, address, nginx.url("tiny.safetensors"), shard_urls, args.compute_s)
+    def shards(label: str) -> dict[str, float]:
+        return shard_round(base, address, nginx.url("tiny.safetensors"), shard_urls, args.compute_s, label)
 
     try:
         os.sync()
-        rounds = {"before the downloads": shards()}
+        rounds = {"before the downloads": shards("before")}
         for _ in range(args.runs):
             for name, fn in methods.items():
                 for path in dest.parent.glob("*"):
                     path.unlink()
                 seconds[name].append(timed(fn))
-        rounds["right after the downloads"] = shards()  # their last writes still being flushed
+        rounds["right after the downloads"] = shards("after")  # their last writes still being flushed
         os.sync()
-        rounds["after os.sync()"] = shards()
+        rounds["after os.sync()"] = shards("synced")
     finally:
         executor.shutdown()
     return {

@@ -251,8 +251,8 @@ def runner_environment(paths: Paths, cuda_visible: str | None) -> dict[str, str]
         env["LD_LIBRARY_PATH"] = ":".join([f"{INSIDE_PYTHON}/lib", *library_dirs(bwrap=True)])
     else:
         env["PYTHONPATH"] = ":".join([str(CODE_ROOT), *(host for host, _ in sites)])
-        if library_dirs(bwrap=False):
-            env["LD_LIBRARY_PATH"] = ":".join(library_dirs(bwrap=False))
+        if libraries := library_dirs(bwrap=False):
+            env["LD_LIBRARY_PATH"] = ":".join(libraries)
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return env

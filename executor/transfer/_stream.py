@@ -86,8 +86,12 @@ def _known_rate(url: str) -> float | None:
 
 
 def _remember_rate(url: str, rate: float) -> None:
+    now = time.monotonic()
     with _origin_lock:
-        _origin_rates[_origin(url)] = (rate, time.monotonic())
+        # Expired entries go: every origin a broker message ever named would otherwise stay.
+        for origin in [o for o, (_, when) in _origin_rates.items() if now - when > ORIGIN_RATE_TTL_S]:
+            del _origin_rates[origin]
+        _origin_rates[_origin(url)] = (rate, now)
 
 
 class Downloaded(NamedTuple):
