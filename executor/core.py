@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +26,7 @@ from safetensors.torch import load_file
 from executor import placement, transfer
 from executor.delta import DEFAULT_SCHEME, check_scheme
 from executor.errors import CleanupFailed, ErrorInfo, InvalidRequest
-from executor.fileio import MIB, empty_dir, own_dir
+from executor.fileio import MIB, empty_dir, own_dir, remove_tree
 from executor.loading import LoadPipeline
 from executor.modelfile import ModelFiles
 from executor.results import ApplyOutcome, ExecutorState, LoadResult, RoundResult
@@ -484,7 +483,7 @@ class Executor:
         if lingering:
             raise CleanupFailed("cannot safely close while workload threads remain: " + ", ".join(lingering))
         self._close_session()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        remove_tree(self._tmpdir, ignore_errors=True)
 
     def status(self) -> dict[str, Any]:
         session = self._session

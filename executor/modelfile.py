@@ -14,7 +14,6 @@ import contextlib
 import functools
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -31,8 +30,18 @@ from executor.delta import (
     scheme_of,
     zstd_bound,
 )
-from executor.errors import HashMismatch, Stopped, error_info
-from executor.fileio import MIB, RETIRED_SUFFIX, TEMP_SUFFIX, remove_quietly, replace_retiring
+from executor.errors import BadArtifact, HashMismatch, Stopped, error_info
+from executor.fileio import (
+    MIB,
+    RETIRED_SUFFIX,
+    TEMP_SUFFIX,
+    TREE_MAX_DEPTH,
+    TreeTooDeep,
+    remove_quietly,
+    remove_tree,
+    replace_retiring,
+    walk_tree,
+)
 from executor.results import ApplyVia
 from executor.transfer import Progress
 
@@ -151,7 +160,7 @@ class ModelFiles:
                         removed += remove_quietly(os.path.join(directory, name)) >= 0
         staging = os.path.join(self.work_dir, "incoming", "staging")
         if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_tree(staging, ignore_errors=True)
             removed += 1
         return removed
 
@@ -165,12 +174,12 @@ class ModelFiles:
     def staging(self) -> Iterator[str]:
         """A scratch dir beside the installed model; always removed afterwards."""
         staging = os.path.join(self.incoming, "staging")
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging, ignore_errors=True)
         os.makedirs(staging)
         try:
             yield staging
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_tree(staging, ignore_errors=True)
 
     def fetch(self, model_url: str, what: str, dest_dir: str) -> artifacts.ModelArtifact:
         """Download a model and turn it into the canonical file in ``dest_dir``."""
@@ -199,10 +208,11 @@ class ModelFiles:
         download = os.path.join(self.incoming, what + suffix)
         head_bytes, check_head = artifacts.model_head(suffix, self._max_model_bytes)
 
-        def head(first: bytes) -> None:
-            check_head(first)
+        def head(first: bytes) -> int | None:
+            cap = check_head(first)  # a parsed safetensors header caps the body at what it promises
             if on_head is not None:
                 on_head(first)
+            return cap
 
         fetched = transfer.fetch(
             model_url,
@@ -247,7 +257,7 @@ class ModelFiles:
         # (together 1.6-2.9 s for 1 GiB here, bench.load) is on the load's path.
         replace_retiring(artifact.model_path, target)
         bundle_root = os.path.join(self.model_dir, artifacts.BUNDLE_DIRNAME)
-        shutil.rmtree(bundle_root, ignore_errors=True)
+        remove_tree(bundle_root, ignore_errors=True)
         if artifact.bundle_root is not None:
             os.replace(artifact.bundle_root, bundle_root)
         return InstalledModel(
@@ -387,8 +397,9 @@ def _readable(model_path: str, bundle_root: str | None) -> None:
     if bundle_root is None:
         return
     os.chmod(bundle_root, 0o755)
-    for root, dirs, files in os.walk(bundle_root):
-        for name in dirs:
-            os.chmod(os.path.join(root, name), 0o755)
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
+    try:  # an archive shapes this tree: walked without recursion, links never followed
+        for fd, entry in walk_tree(bundle_root):
+            if not entry.is_symlink():
+                os.chmod(entry.name, 0o755 if entry.is_dir(follow_symlinks=False) else 0o644, dir_fd=fd)
+    except TreeTooDeep:
+        raise BadArtifact(f"bundle nests directories deeper than {TREE_MAX_DEPTH} levels") from None

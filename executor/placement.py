@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from executor.errors import GpuOutOfMemory, InvalidRequest, describe, map_exceptions
-from executor.fileio import MIB
+from executor.fileio import MIB, remove_tree
 
 INFERENCE_MULTIPLIER = 1.15
 HEAD_TRAINING_MULTIPLIER = 1.25
@@ -133,7 +132,7 @@ def _dispatch(
         from accelerate import dispatch_model, infer_auto_device_map
 
         # One round owns this directory; stale offload files of another layout would waste gigabytes.
-        shutil.rmtree(offload_dir, ignore_errors=True)
+        remove_tree(offload_dir, ignore_errors=True)
         os.makedirs(offload_dir, exist_ok=True)
         no_split = params.get("no_split_module_classes") or []
         device_map = infer_auto_device_map(

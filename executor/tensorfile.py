@@ -119,11 +119,19 @@ def _parse_spec(name: str, raw: Any) -> TensorSpec:
     return spec
 
 
-def read_header(file: IO[bytes]) -> Header:
-    """Parse and validate a safetensors header; a truncated or malformed file is ``BadArtifact``."""
+def read_header(file: IO[bytes], max_header_bytes: int | None = None) -> Header:
+    """Parse and validate a safetensors header; a truncated or malformed file is ``BadArtifact``.
+
+    ``max_header_bytes`` refuses a longer header before it is read or parsed (a file the caller
+    expects to hold a known set of keys: parsing costs memory and time in its length)."""
     size = os.fstat(file.fileno()).st_size
     prefix = os.pread(file.fileno(), 8, 0)
     header_len = header_length(prefix)
+    if max_header_bytes is not None and header_len > max_header_bytes:
+        raise BadArtifact(
+            f"safetensors header is {header_len} bytes, over its bound of {max_header_bytes}",
+            {"header_bytes": header_len, "cap": max_header_bytes},
+        )
     if 8 + header_len > size:
         raise BadArtifact("safetensors header length exceeds the file (truncated or not safetensors)")
     return parse_header(os.pread(file.fileno(), header_len, 8), size)

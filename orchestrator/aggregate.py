@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from executor.delta import max_delta_bytes, read_delta, state_hash
+from executor.delta import max_delta_bytes, max_delta_tensors, read_delta, state_hash, zstd_bound
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -146,6 +146,7 @@ class DeltaFolder:
         os.makedirs(scratch, exist_ok=True)
         # A worker's delta is untrusted: it decodes to no more than the model allows.
         self._max_bytes = max_delta_bytes(model)
+        self._max_tensors = max_delta_tensors(model)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="delta-fold")
         self._slots = threading.BoundedSemaphore(in_memory)
         self._futures: dict[str, Future[Folded]] = {}
@@ -189,7 +190,13 @@ class DeltaFolder:
                     self._decoded -= 1
 
     def _decode_and_add(self, local: str, expected_hash: str) -> str | None:
-        delta = read_delta(local, max_bytes=self._max_bytes)
+        # Refused before a byte is decoded: a file larger than any delta of this model compresses
+        # to, and the seed's pickle format (a worker writes zstd(safetensors) only). What remains
+        # decodes within the model's bound, so the hash (of the decoded tensors) is checked next.
+        size = os.path.getsize(local)
+        if size > zstd_bound(self._max_bytes):
+            return f"delta file is {size} bytes, over the cap of {zstd_bound(self._max_bytes)} for this model"
+        delta = read_delta(local, max_bytes=self._max_bytes, max_tensors=self._max_tensors, allow_torch=False)
         os.unlink(local)  # decoded: the file is not needed any more
         if state_hash(delta) != expected_hash:
             return "delta does not match its reported hash"

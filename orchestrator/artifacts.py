@@ -4,9 +4,11 @@ Workers only ever see URLs. :class:`ArtifactServer` serves a directory the way a
 store serves presigned URLs: GET and HEAD with single ``Range`` requests, ``ETag`` and
 ``If-Range`` (so downloads resume), and PUT written atomically (result deltas). Each URL
 carries an expiry and an HMAC of the method, the path and the expiry; a wrong or expired
-signature is refused with 403, like a presigned S3 URL. For a real object store (MinIO,
-S3) see :mod:`orchestrator.s3`. :class:`ArtifactStore` is what the orchestrator needs of
-either.
+signature is refused with 403, like a presigned S3 URL. A PUT is capped before its body is
+read: a Content-Length over ``max_put_bytes`` (what the largest delta of the run's model can
+take, once the orchestrator knows the model) is refused with 413, so a leaked PUT URL fills
+no disk. For a real object store (MinIO, S3) see :mod:`orchestrator.s3`. :class:`ArtifactStore`
+is what the orchestrator needs of either.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from executor.delta import DEFAULT_MAX_DELTA_BYTES, zstd_bound
+
 CHUNK_BYTES = 4 * 1024 * 1024
+# What a PUT may carry until the orchestrator narrows it to its model: the compressed size of the
+# largest delta a worker reads by default (a delta is the only thing workers upload).
+DEFAULT_MAX_PUT_BYTES = zstd_bound(DEFAULT_MAX_DELTA_BYTES)
 
 
 class ArtifactStore(Protocol):
@@ -126,8 +133,10 @@ class ArtifactServer:
         port: int = 0,
         *,
         public_host: str | None = None,
+        max_put_bytes: int = DEFAULT_MAX_PUT_BYTES,
     ) -> None:
         self.root = os.path.realpath(os.fspath(root))
+        self.max_put_bytes = max_put_bytes
         os.makedirs(self.root, exist_ok=True)
         self.secret = secrets.token_bytes(32)
         self._httpd = _Server((host, port), _Handler)
@@ -270,6 +279,10 @@ class _Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             self._reply(411, b"Content-Length required\n")
+            return
+        if int(length) > self.server.artifacts.max_put_bytes:
+            self.close_connection = True  # the body is never read
+            self._reply(413, b"upload is over the store's cap\n")
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".upload.", suffix=".tmp")

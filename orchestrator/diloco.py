@@ -35,7 +35,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,11 +43,11 @@ from typing import Any
 
 import torch
 
-from executor.delta import SyncFeedback, state_hash, write_delta
-from executor.fileio import atomic_writer
+from executor.delta import SyncFeedback, max_delta_bytes, state_hash, write_delta, zstd_bound
+from executor.fileio import atomic_writer, remove_tree
 from executor.tensorfile import write_state
 from orchestrator.aggregate import DeltaFolder
-from orchestrator.artifacts import ArtifactStore
+from orchestrator.artifacts import ArtifactServer, ArtifactStore
 from orchestrator.checkpoint import Checkpoint, StateDir
 from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure
 from orchestrator.elastic import Elastic
@@ -201,6 +200,8 @@ class Orchestrator:
         self.sync_feedback = SyncFeedback(session.sync_delta_dtype)
         self.global_state = {k: v.detach().cpu().contiguous() for k, v in model.items()}
         self.global_hash = state_hash(self.global_state)
+        if isinstance(store, ArtifactServer):  # its PUTs: no larger than this model's largest delta
+            store.max_put_bytes = min(store.max_put_bytes, zstd_bound(max_delta_bytes(self.global_state)))
         self.round_done = round_done  # the last round whose outer step is in global_state
         self.total_rounds = 0
         self.history: list[RoundSummary] = []
@@ -214,7 +215,7 @@ class Orchestrator:
         scratch_root = None
         if self.state is not None:
             scratch_root = os.path.join(self.state.path, "scratch")
-            shutil.rmtree(scratch_root, ignore_errors=True)
+            remove_tree(scratch_root, ignore_errors=True)
             os.makedirs(scratch_root)
         self._scratch = tempfile.mkdtemp(prefix="orchestrator-", dir=scratch_root)
         self._run_id = secrets.token_hex(4)  # this process's uploads never collide with a dead one's
@@ -428,7 +429,7 @@ class Orchestrator:
         return {host: self.client.status(host).get(timeout=60) for host in self.membership.active()}
 
     def close(self) -> None:
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        remove_tree(self._scratch, ignore_errors=True)
 
 
 def _loss(outcome: Outcome) -> float | None:

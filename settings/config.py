@@ -49,8 +49,10 @@ class Settings(BaseSettings):
     # message older than message_max_age_s is refused. tls_ca_file: the CA that rediss://
     # servers are checked against. insecure: run unsigned on a non-loopback broker anyway.
     # keys_dir: a development key directory (`roundhouse keys init`), made when missing,
-    # that supplies whichever of the four paths above is unset.
+    # that supplies whichever of the paths here is unset. control_certs: signers a worker
+    # obeys for control commands (inspect, revoke …) but never for a task (Flower's).
     trusted_certs: str | None = None
+    control_certs: str | None = None
     signing_key: str | None = None
     signing_cert: str | None = None
     message_max_age_s: float = Field(default=3600.0, gt=0)
@@ -68,13 +70,23 @@ class Settings(BaseSettings):
     # Results are small JSON, but 16 workers' worth of rounds add up in a noeviction Redis.
     result_expires_s: int = 7 * 24 * 3600
     events_stream_maxlen: int = 10_000
+    # Broker memory per worker (DESIGN §5, §12): the events stream holds at most this many MiB
+    # of messages (and events_stream_maxlen entries), trimmed oldest first; each event is cut
+    # to events_max_event_bytes where it is published (a tenant's stats message is at most
+    # 64 KiB); the stream expires events_stream_ttl_s after its last event.
+    events_stream_max_mb: int = Field(default=32, ge=1)
+    events_max_event_bytes: int = Field(default=128 << 10, ge=4096)
+    events_stream_ttl_s: int = Field(default=24 * 3600, ge=1)
     events_buffer_size: int = 10_000
     heartbeat_interval_s: float = 5.0
     heartbeat_ttl_s: float = 20.0
     revoke_poll_s: float = 0.2
     soft_time_limit_s: float | None = None
     metrics_port: int = 9808  # 0: no metrics endpoint
-    metrics_address: str = "0.0.0.0"
+    # The metrics show tenant activity: loopback unless set (0.0.0.0 for a Prometheus elsewhere,
+    # with metrics_token set: then a scrape must present it, bearer or basic auth's password).
+    metrics_address: str = "127.0.0.1"
+    metrics_token: SecretStr | None = None
     worker_lost_retries: int = 1
 
     # Disk
@@ -183,6 +195,7 @@ class Settings(BaseSettings):
         if root:
             for name, relative in (
                 ("trusted_certs", "trusted"),
+                ("control_certs", os.path.join("worker", "control")),
                 ("signing_key", "orchestrator.key"),
                 ("signing_cert", "orchestrator.crt"),
                 ("tls_ca_file", "ca.crt"),

@@ -1,8 +1,12 @@
 """The ``roundhouse`` command line.
 
-- ``roundhouse worker [--gpu N] [--host-id ID] [-- celery options]``: one worker for one
-  GPU: sets ``CUDA_VISIBLE_DEVICES`` before anything starts, names the node
+- ``roundhouse worker [--gpu N] [--host-id ID] [--keys DIR] [-- celery options]``: one worker
+  for one GPU: sets ``CUDA_VISIBLE_DEVICES`` before anything starts, names the node
   ``gpu<N>@%h``, consumes only ``roundhouse.<host_id>``, ``-P prefork -c 1 -E``.
+- ``roundhouse flower [--keys DIR] [--address A] [--port P] [-- flower options]``: Flower, on
+  127.0.0.1 unless told otherwise, refusing to start without a password (``FLOWER_BASIC_AUTH``).
+  ``--keys DIR`` (both): the role's own directory of a ``roundhouse keys init`` set, made when
+  missing, and no other key (``role_env``).
 - ``roundhouse redis [--port P] [--dir D] [--tls] [--aclfile F]``: the embedded Redis for
   the Procfile and the demo (``tasks.embedded_redis``; ``--tls``: with the development keys).
 - ``roundhouse keys init DIR``: development keys of the signed control plane (``tasks.keys``).
@@ -20,7 +24,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from settings import get_settings
@@ -79,9 +83,86 @@ def worker_command(
     return argv, env
 
 
+# What each role of a deployment is given from a `roundhouse keys init` directory (tasks.keys):
+# its own directory's paths, every other key setting blanked, so that neither
+# ROUNDHOUSE_KEYS_DIR (which names the orchestrator's key) nor a .env file adds one.
+_KEY_SETTINGS = ("TRUSTED_CERTS", "CONTROL_CERTS", "SIGNING_KEY", "SIGNING_CERT", "TLS_CA_FILE", "KEYS_DIR")
+_ROLE_PATHS = {
+    "worker": {"TRUSTED_CERTS": "trusted", "CONTROL_CERTS": "control", "TLS_CA_FILE": "ca.crt"},
+    "flower": {"SIGNING_KEY": "flower.key", "SIGNING_CERT": "flower.crt", "TLS_CA_FILE": "ca.crt"},
+}
+# Flower's password: set by the operator, never a default a file of this project once held.
+FLOWER_MIN_PASSWORD = 12
+FLOWER_KNOWN_PASSWORDS = frozenset({"change-me", "changeme", "password", "secret"})
+
+
+def role_env(role: str, keys_dir: str) -> dict[str, str]:
+    """The ``ROUNDHOUSE_*`` key settings of ``role`` ("worker", "flower") for ``keys_dir``."""
+    paths = _ROLE_PATHS[role]
+    root = os.path.join(keys_dir, role)
+    return {
+        f"ROUNDHOUSE_{name}": os.path.join(root, paths[name]) if name in paths else ""
+        for name in _KEY_SETTINGS
+    }
+
+
+def _take_keys(role: str, keys_dir: str | None) -> None:
+    if keys_dir:
+        from tasks.keys import ensure_keys
+
+        ensure_keys(keys_dir)
+        os.environ.update(role_env(role, keys_dir))  # before the settings are first read
+
+
+def flower_problem(env: Mapping[str, str], extra: list[str]) -> str | None:
+    """Why Flower must not start, or None: it commands the workers (revoke, shutdown …)
+    to whoever logs in, so it needs a password the operator set."""
+    options = {arg.lstrip("-").split("=", 1)[0].replace("-", "_") for arg in extra if arg.startswith("--")}
+    if options & {"basic_auth", "unauthenticated_api"}:
+        return "Flower's login is FLOWER_BASIC_AUTH only (not --basic-auth: ps shows it; not unauthenticated)"
+    if env.get("FLOWER_UNAUTHENTICATED_API", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "FLOWER_UNAUTHENTICATED_API would let anyone who reaches Flower command the workers"
+    entries = [entry for entry in env.get("FLOWER_BASIC_AUTH", "").split(",") if entry.strip()]
+    if not entries:
+        return "FLOWER_BASIC_AUTH is not set: set it to user:password (a password of your own)"
+    for entry in entries:
+        user, _, password = entry.strip().partition(":")
+        if not user or password.lower() in FLOWER_KNOWN_PASSWORDS or len(password) < FLOWER_MIN_PASSWORD:
+            return (
+                f"FLOWER_BASIC_AUTH: {user or '(no user)'}'s password is missing, a known default or "
+                f"shorter than {FLOWER_MIN_PASSWORD} characters: set one of your own"
+            )
+    return None
+
+
+def flower_command(address: str, port: int, extra: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "tasks",
+        "flower",
+        f"--address={address}",
+        f"--port={port}",
+        *extra,
+    ]
+
+
+def _flower(args: argparse.Namespace) -> int:
+    if problem := flower_problem(os.environ, args.flower_args):
+        print(f"roundhouse flower: refusing to start: {problem}", file=sys.stderr)
+        return 2
+    _take_keys("flower", args.keys)
+    argv = flower_command(args.address, args.port, args.flower_args)
+    os.execv(argv[0], argv)
+    return 0  # pragma: no cover - exec does not return
+
+
 def _worker(args: argparse.Namespace) -> int:
     from tasks.gate import startup_problem
 
+    _take_keys("worker", args.keys)
     if problem := startup_problem(get_settings()):
         print(f"roundhouse worker: {problem}", file=sys.stderr)
         return 2
@@ -158,7 +239,14 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--host-id", default=None, help="default: ROUNDHOUSE_HOST_ID, else <hostname>[-gpu<N>]"
     )
+    keys_help = "take this role's keys from DIR/<role>/ of `roundhouse keys init DIR` (made when missing)"
+    worker.add_argument("--keys", default=None, metavar="DIR", help=keys_help)
     worker.add_argument("celery_args", nargs=argparse.REMAINDER, help="more celery worker options, after --")
+    flower = commands.add_parser("flower", help="run Flower (needs FLOWER_BASIC_AUTH)")
+    flower.add_argument("--keys", default=None, metavar="DIR", help=keys_help)
+    flower.add_argument("--address", default="127.0.0.1", help="the address Flower listens on (127.0.0.1)")
+    flower.add_argument("--port", type=int, default=5555)
+    flower.add_argument("flower_args", nargs=argparse.REMAINDER, help="more celery flower options, after --")
     redis_cmd = commands.add_parser("redis", help="run the embedded Redis server")
     redis_cmd.add_argument("--port", type=int, default=6379)
     redis_cmd.add_argument("--bind", default="127.0.0.1")
@@ -192,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         args.demo_args = extra  # these commands parse their own options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if getattr(args, "celery_args", None) and args.celery_args[0] == "--":
-        args.celery_args = args.celery_args[1:]
+    for name in ("celery_args", "flower_args"):
+        if getattr(args, name, None) and getattr(args, name)[0] == "--":
+            setattr(args, name, getattr(args, name)[1:])
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "worker": _worker,
+        "flower": _flower,
         "redis": _redis,
         "watch": _watch,
         "status": _status,

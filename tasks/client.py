@@ -9,6 +9,7 @@ and then followed live, without gaps or repeats.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,8 @@ from tasks.names import (
 )
 from tasks.signed_app import SignedCelery
 from tasks.signing import NO_KEY, SigningError
+
+logger = logging.getLogger(__name__)
 
 REFUSAL_PAGE = 2000  # events-stream entries read per call of ``refusals``
 
@@ -67,21 +70,35 @@ class RoundClient:
     # ------------------------------------------------------------ hosts
 
     def hosts(self, *, idle_only: bool = False) -> list[dict[str, Any]]:
-        """Live workers (those whose heartbeat has not expired), optionally only idle ones."""
+        """Live workers (those whose heartbeat has not expired), optionally only idle ones.
+
+        A beat speaks for the host its key names, and only that one (an ACL lets a worker
+        write its own key alone): one whose JSON claims another ``host_id`` is skipped."""
         found = []
+        prefix = heartbeat_key("")
         for key in self.redis.scan_iter(match=HEARTBEAT_PATTERN, count=100):
-            raw = self.redis.get(key)
-            if raw is None:
-                continue
-            beat = json.loads(raw)
-            if idle_only and beat.get("state") == "running":
+            name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            beat = self.heartbeat(name[len(prefix) :])
+            if beat is None or (idle_only and beat.get("state") == "running"):
                 continue
             found.append(beat)
         return sorted(found, key=lambda beat: str(beat.get("host_id")))
 
     def heartbeat(self, host: str) -> dict[str, Any] | None:
+        """``host``'s last beat; None when it has none, or when what is under its key is not a
+        beat of ``host`` (not JSON, or naming another host: logged)."""
         raw = self.redis.get(heartbeat_key(host))
-        return None if raw is None else dict(json.loads(raw))
+        if raw is None:
+            return None
+        try:
+            beat = json.loads(raw)
+        except ValueError:
+            beat = None
+        if not isinstance(beat, dict) or beat.get("host_id") != host:
+            claimed = beat.get("host_id") if isinstance(beat, dict) else None
+            logger.warning("ignored the heartbeat under %s: it names host %r", heartbeat_key(host), claimed)
+            return None
+        return beat
 
     # ------------------------------------------------------------ tasks
 

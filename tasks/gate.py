@@ -3,13 +3,15 @@
 In the MainProcess, before Celery builds a request: a task message must be Celery's
 ``auth`` content type, verify against the trust store, carry an envelope that names this
 task, this id and this worker's queue, be within its lifetime, and not be a message this
-worker has already finished (its nonce, remembered in Redis under
-``roundhouse:nonce:<host>:<nonce>`` until it would expire anyway, plus an in-process LRU for
-when Redis is away). A copy of a message that has not finished is the broker's redelivery
-(``acks_late``) and runs again under the tasks' idempotency rules; each delivery is
-counted, and the count is the request's ``retries``, so ``worker_lost_retries`` still bounds
-a task that kills its child. The envelope's eta, expiry and time limits replace the
-headers'. Control commands pass the same checks in :class:`tasks.signed_app.GatedNode`.
+worker has already finished (its nonce: :mod:`tasks.replay`, a ledger on the worker's own
+disk first, Redis second; a message neither can record is refused). A copy of a message
+that has not finished is the broker's redelivery (``acks_late``) and runs again under the
+tasks' idempotency rules; each delivery is counted, and the count is the request's
+``retries``, so ``worker_lost_retries`` still bounds a task that kills its child. The
+envelope's eta, expiry and time limits replace the headers'. Control commands pass the same
+checks in :class:`tasks.signed_app.GatedNode`; a broadcast (no destination in its signed
+body) must also have been issued after this worker started. A message naming a task this
+worker does not have is refused too (``unknown_task``).
 
 A refused message is acknowledged and dropped, never run: a ``WARNING`` in the worker log
 and a ``state`` event ``{"event": "refused", "kind", "reason", "detail", "name"}`` on the
@@ -25,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,12 +41,12 @@ from kombu.exceptions import ContentDisallowed
 from settings import Settings, get_settings
 from settings.celery import AUTH_CONTENT_TYPE
 from tasks.events import EventPublisher
-from tasks.names import ENVELOPE_KEY, nonce_key
+from tasks.names import ENVELOPE_KEY
+from tasks.replay import NonceLedger, ReplayStore, ledger_dir
 from tasks.signing import Refused, Security, Verifier, check_control, check_task, replay_ttl_s
 
 logger = get_logger(__name__)
 
-LRU_SIZE = 50_000
 REPORTS_PER_MINUTE = 30  # per reason; beyond it refusals are counted, not each logged
 
 
@@ -101,72 +102,14 @@ def startup_warnings(settings: Settings) -> list[str]:
             warnings.append(f"{parts.hostname}: Redis without TLS off loopback (use rediss://)")
         if parts.scheme in ("redis", "rediss") and not parts.password:
             warnings.append(f"{parts.hostname}: Redis without a password or ACL user")
-    if settings.trusted_certs and settings.signing_key and not settings.keys_dir:
+    # ROUNDHOUSE_KEYS_DIR is no excuse: it hands this worker the orchestrator's key too.
+    if settings.trusted_certs and settings.signing_key:
         warnings.append(
             "this worker holds a signing key: whoever reads it can command every worker that "
-            "trusts it; a worker needs ROUNDHOUSE_TRUSTED_CERTS only"
+            "trusts it; a worker needs ROUNDHOUSE_TRUSTED_CERTS only (`roundhouse worker --keys "
+            "DIR` gives it DIR/worker/ alone, not ROUNDHOUSE_KEYS_DIR)"
         )
     return warnings
-
-
-# ---------------------------------------------------------------- replay store
-
-
-class ReplayStore:
-    """What this worker remembers of the signed messages it admitted, by nonce: how many
-    times each was delivered, or that it finished (``"d"``)."""
-
-    def __init__(self, client: redis.Redis, host_id: str, lru_size: int = LRU_SIZE) -> None:
-        self._client = client
-        self._host = host_id
-        self._lru: OrderedDict[str, str] = OrderedDict()
-        self._lru_size = lru_size
-        self._warned = False
-
-    def admit(self, nonce: str, ttl_s: int, *, once: bool = False) -> int:
-        """The delivery number of this message (1: the first); :class:`Refused` for a replay."""
-        key = nonce_key(self._host, nonce)
-        try:
-            if self._client.set(key, "1", nx=True, ex=ttl_s):
-                record = "1"
-            else:
-                seen = self._client.get(key)
-                record = self._next(_text(seen), once)
-                self._client.set(key, record, keepttl=True)
-        except redis.RedisError as exc:
-            record = self._next(self._lru.get(nonce), once, first="1")
-            self._warn(exc)
-        self._remember(nonce, record)
-        return int(record)
-
-    def done(self, nonce: str, ttl_s: int) -> None:
-        self._remember(nonce, "d")
-        try:
-            self._client.set(nonce_key(self._host, nonce), "d", ex=ttl_s)
-        except redis.RedisError as exc:
-            self._warn(exc)
-
-    def _next(self, seen: str | None, once: bool, first: str | None = None) -> str:
-        if seen is None:
-            return first or "1"
-        if seen == "d" or once:
-            raise Refused("replay", "this worker has already run this message")
-        return str(int(seen) + 1)
-
-    def _remember(self, nonce: str, record: str) -> None:
-        self._lru[nonce] = record
-        self._lru.move_to_end(nonce)
-        while len(self._lru) > self._lru_size:
-            self._lru.popitem(last=False)
-
-    def _warn(self, exc: Exception) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning("replay store unreachable (%s): remembering nonces in this process only", exc)
-
-
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 # ---------------------------------------------------------------- refusals
@@ -205,10 +148,7 @@ class Refusals:
 
     def _publisher(self) -> EventPublisher:
         if self._events is None:  # first refusal: a thread in the MainProcess, only then
-            s = self._settings
-            self._events = EventPublisher(
-                s.redis_events_url, s.host_id, stream_maxlen=s.events_stream_maxlen, buffer_size=1000
-            )
+            self._events = EventPublisher.from_settings(self._settings, buffer_size=1000)
         return self._events
 
 
@@ -243,13 +183,23 @@ class Gate(bootsteps.StartStopStep):
         assert security is not None
         self.max_age_s = security.max_age_s
         self.queue = settings.queue
+        # Before the control mailbox subscribes: a broadcast issued before this cannot be
+        # one this worker was sent (pub/sub keeps nothing for a late subscriber).
+        self.started = time.time()
         client = redis.Redis.from_url(settings.redis_events_url, socket_timeout=5, socket_connect_timeout=5)
-        self.store = ReplayStore(client, settings.host_id)
+        try:
+            ledger = NonceLedger(ledger_dir(settings.work_dir, settings.host_id))
+        except OSError as exc:
+            raise ImproperlyConfigured(f"control plane: cannot keep the replay ledger: {exc}") from None
+        self.store = ReplayStore(client, settings.host_id, ledger)
         self.refusals = Refusals(settings)
         c.app.control.mailbox.gate = self
         c.on_decode_error = self.on_decode_error  # the pidbox consumer reads it when it starts
+        c.on_unknown_task = self.on_unknown_task  # read when the task handler is built
         _active = self
         logger.info("control plane: signed; trusting %s", "; ".join(self.verifier.trusted))
+        if self.verifier.control_only:
+            logger.info("control plane: for control commands only: %s", "; ".join(self.verifier.control_only))
 
     def start(self, c: Any) -> None:
         if self.verifier is None:
@@ -313,16 +263,42 @@ class Gate(bootsteps.StartStopStep):
         self.refusals.report("control", refusal, name=body.get("method") if isinstance(body, dict) else None)
         return False
 
-    def admit_control(self, method: str, arguments: Any) -> dict[str, Any] | None:
-        """The command's arguments without their envelope, or None when it is refused."""
+    def admit_control(self, method: str, arguments: Any, *, broadcast: bool = False) -> dict[str, Any] | None:
+        """The command's arguments without their envelope, or None when it is refused.
+
+        ``broadcast``: sent to every worker (no destination list in its signed body), so not
+        bound to this one; it must have been issued after this worker started, or a captured
+        one would replay to every worker that joins later."""
         arguments = dict(arguments or {})
         try:
             envelope = check_control(arguments.pop(ENVELOPE_KEY, None), method, max_age_s=self.max_age_s)
+            if broadcast and envelope.iat < self.started:
+                raise Refused(
+                    "before_start",
+                    f"a broadcast issued {self.started - envelope.iat:.1f} s before this worker started",
+                )
             self.store.admit(envelope.nonce, replay_ttl_s(envelope.exp), once=True)
         except Refused as refusal:
             self.refusals.report("control", refusal, name=method)
             return None
         return arguments
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        """A message naming a task this worker does not have: refused like any other, with no
+        result and no event under its id (Celery's own handler writes FAILURE under whatever
+        id the message claims, another host's running task included)."""
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        refusal = Refused("unknown_task", f"no task named {str(headers.get('task'))[:200]!r}")
+        if message.content_type != AUTH_CONTENT_TYPE:
+            refusal = Refused("unsigned", f"content type {message.content_type!r}")
+        else:
+            try:
+                assert self.verifier is not None
+                self.verifier.open(message.body)
+            except Refused as found:
+                refusal = found
+        self.refusals.report("task", refusal, name=headers.get("task"), task_id=headers.get("id"))
+        message.reject_log_error(logger, self._connection_errors, requeue=False)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         """kombu could not decode a message (the control mailbox decodes before its callback)."""

@@ -11,7 +11,18 @@ What it makes, all PEM, private keys mode 0600::
     DIR/redis.key, DIR/redis.crt            a TLS server certificate for Redis (localhost,
                                             127.0.0.1, ::1, ``redis`` and any --redis-host)
 
-More signers (``--signer flower``) get their own pair and a certificate in ``trusted/``.
+and one directory per role of a deployment, each holding copies of what that role needs and
+nothing else (what compose mounts and ``roundhouse worker|flower --keys DIR`` reads)::
+
+    DIR/orchestrator/                       each signer's pair, ca.crt
+    DIR/worker/trusted/, DIR/worker/ca.crt  the trust store (a copy of DIR/trusted), the CA
+                                            certificate (Redis TLS)
+    DIR/worker/control/flower.crt           trusted for control commands only
+                                            (ROUNDHOUSE_CONTROL_CERTS): never for a task
+    DIR/flower/flower.key, .crt, ca.crt     Flower's own signing pair (made here only)
+
+The CA key is in no role directory, the orchestrator's key in the orchestrator's alone.
+More signers (``--signer ci``) get their own pair and a certificate in ``trusted/``.
 The directory is made in one step (built beside it, then renamed), so several processes
 that need keys at once — the Procfile's — end with one set: whoever loses the rename uses
 the winner's. An existing complete directory is left as it is.
@@ -23,6 +34,7 @@ certificate, from whatever PKI the operator runs; nothing here checks a chain.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import os
 import shutil
@@ -42,6 +54,7 @@ KEY_BITS = 2048
 CA_DAYS = 3650
 LEAF_DAYS = 825  # what browsers and most TLS stacks still accept for a leaf
 REDIS_HOSTS = ("localhost", "127.0.0.1", "::1", "redis")
+ROLES = ("orchestrator", "worker", "flower")
 
 
 @dataclass(frozen=True)
@@ -76,10 +89,33 @@ class DevKeys:
     def redis_key(self) -> Path:
         return self.root / "redis.key"
 
+    def role(self, name: str) -> Path:
+        """The directory of one role (``ROLES``): all that a process of that role is given."""
+        return self.root / name
+
+    @property
+    def worker_trusted(self) -> Path:
+        return self.root / "worker" / "trusted"
+
+    @property
+    def worker_control(self) -> Path:
+        return self.root / "worker" / "control"
+
+    @property
+    def flower_key(self) -> Path:
+        return self.root / "flower" / "flower.key"
+
+    @property
+    def flower_cert(self) -> Path:
+        return self.root / "flower" / "flower.crt"
+
     def complete(self, signers: tuple[str, ...] = ("orchestrator",)) -> bool:
         paths = [self.ca_cert, self.ca_key, self.redis_cert, self.redis_key]
         for name in signers:
             paths += [self.signing_key(name), self.signing_cert(name), self.trusted / f"{name}.crt"]
+            paths += [self.role("orchestrator") / f"{name}.key", self.worker_trusted / f"{name}.crt"]
+        paths += [self.role(role) / "ca.crt" for role in ROLES]
+        paths += [self.flower_key, self.flower_cert, self.worker_control / "flower.crt"]
         return all(path.is_file() for path in paths)
 
 
@@ -213,6 +249,34 @@ def _fill(keys: DevKeys, signers: tuple[str, ...], redis_hosts: tuple[str, ...])
         key, cert = _make_leaf(ca_key, ca, "redis", server_hosts=REDIS_HOSTS + redis_hosts)
         _write(keys.redis_key, _key_pem(key), private=True)
         _write(keys.redis_cert, _cert_pem(cert))
+    _fill_roles(keys, ca_key, ca, signers)
+
+
+def _fill_roles(
+    keys: DevKeys, ca_key: rsa.RSAPrivateKey, ca: x509.Certificate, signers: tuple[str, ...]
+) -> None:
+    """Each role's directory: copies, so that a role is given its directory and no other.
+    Flower's pair is its own (not the orchestrator's) and workers trust it for control
+    commands only: a task it signs is refused (docs/SECURITY.md)."""
+    for role in ROLES:
+        _copy(keys.ca_cert, keys.role(role) / "ca.crt")
+    for name in signers:
+        _copy(keys.signing_key(name), keys.role("orchestrator") / f"{name}.key", private=True)
+        _copy(keys.signing_cert(name), keys.role("orchestrator") / f"{name}.crt")
+    for trusted in sorted(keys.trusted.glob("*.crt")):  # the whole trust store, earlier signers too
+        _copy(trusted, keys.worker_trusted / trusted.name)
+    if not (keys.flower_key.is_file() and keys.flower_cert.is_file()):
+        key, cert = _make_leaf(ca_key, ca, "flower (control commands only)")
+        _write(keys.flower_key, _key_pem(key), private=True)
+        _write(keys.flower_cert, _cert_pem(cert))
+    _copy(keys.flower_cert, keys.worker_control / "flower.crt")
+    for role in ("orchestrator", "flower"):  # they hold private keys
+        os.chmod(keys.role(role), 0o700)
+
+
+def _copy(source: Path, target: Path, *, private: bool = False) -> None:
+    if not target.is_file():
+        _write(target, source.read_bytes(), private=private)
 
 
 def init_keys(
@@ -229,8 +293,14 @@ def init_keys(
         shutil.rmtree(keys.root)
     if keys.complete(signers):
         return keys, False
-    if keys.root.exists():
-        _fill(keys, signers, redis_hosts)  # the operator's own directory: add what is missing
+    if keys.root.exists():  # the operator's own directory, or one made before the role
+        # directories: add what is missing, one process at a time (two would each make a
+        # Flower pair and leave one's key beside the other's certificate).
+        with open(keys.root / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if keys.complete(signers):
+                return keys, False
+            _fill(keys, signers, redis_hosts)
         return keys, True
     keys.root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=keys.root.parent, prefix=f".{keys.root.name}."))
@@ -270,9 +340,13 @@ def main(argv: list[str]) -> int:
         args.directory, signers=signers, redis_hosts=tuple(args.redis_host), force=args.force
     )
     print(("made" if made else "kept") + f" development keys in {keys.root}")
-    print(f"  workers:       ROUNDHOUSE_TRUSTED_CERTS={keys.trusted}")
-    print(f"  orchestrator:  ROUNDHOUSE_SIGNING_KEY={keys.signing_key(signers[0])}")
-    print(f"                 ROUNDHOUSE_SIGNING_CERT={keys.signing_cert(signers[0])}")
-    print(f"  Redis TLS:     ROUNDHOUSE_TLS_CA_FILE={keys.ca_cert}")
-    print(f"                 server: {keys.redis_cert}, {keys.redis_key}")
+    orchestrator = keys.role("orchestrator")
+    print(f"  workers:       ROUNDHOUSE_TRUSTED_CERTS={keys.worker_trusted}")
+    print(f"                 ROUNDHOUSE_CONTROL_CERTS={keys.worker_control}")
+    print(f"                 ROUNDHOUSE_TLS_CA_FILE={keys.role('worker') / 'ca.crt'}")
+    print(f"                 (or: roundhouse worker --keys {keys.root})")
+    print(f"  orchestrator:  ROUNDHOUSE_SIGNING_KEY={orchestrator / f'{signers[0]}.key'}")
+    print(f"                 ROUNDHOUSE_SIGNING_CERT={orchestrator / f'{signers[0]}.crt'}")
+    print(f"  Flower:        roundhouse flower --keys {keys.root} (control commands only)")
+    print(f"  Redis TLS:     server: {keys.redis_cert}, {keys.redis_key}")
     return 0

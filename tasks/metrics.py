@@ -4,17 +4,32 @@ The child owns the Executor, so it is where rounds, stops and downloads are know
 are updated as tasks run; cache and GPU figures are read from the Executor at scrape time.
 A replacement child serves on the same port (the old one is gone). Flower serves its own
 task metrics at ``/metrics`` (see the README).
+
+The figures tell who runs what when (round outcomes, stops, cache traffic): the endpoint
+listens on loopback unless ``ROUNDHOUSE_METRICS_ADDRESS`` says otherwise, and with
+``ROUNDHOUSE_METRICS_TOKEN`` set it answers only a request that presents the token, as a bearer
+token or as the password of HTTP basic auth (what Prometheus's ``authorization`` and
+``basic_auth`` send); anything else gets 401.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
+import ipaddress
 import logging
+import socket
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -48,15 +63,27 @@ class WorkerMetrics:
         )
         self.registry.register(_ExecutorCollector(host_id, status))
 
-    def serve(self, port: int, address: str = "0.0.0.0") -> bool:
+    def serve(self, port: int, address: str = "127.0.0.1", token: str | None = None) -> bool:
+        """Serve ``/metrics`` from a daemon thread; ``token``: what a request must present."""
         if port <= 0:
             return False
+        app = make_wsgi_app(self.registry)
+        if token:
+            app = _require_token(app, token)
+        elif not _is_loopback(address):
+            logger.warning(
+                "metrics served on %s:%d without ROUNDHOUSE_METRICS_TOKEN: whoever reaches it "
+                "sees this worker's tenant activity",
+                address,
+                port,
+            )
         try:
-            start_http_server(port, addr=address, registry=self.registry)
-            return True
+            server = make_server(address, port, app, _server_class(address), handler_class=_QuietHandler)
         except OSError as exc:  # a second worker on the same port: run without metrics, say so
             logger.warning("metrics not served on port %d: %s", port, exc)
             return False
+        threading.Thread(target=server.serve_forever, name="roundhouse-metrics", daemon=True).start()
+        return True
 
     def task_done(self, task: str, outcome: str) -> None:
         self.tasks.labels(self.host_id, task, outcome).inc()
@@ -67,6 +94,54 @@ class WorkerMetrics:
 
     def stopped(self, reason: str) -> None:
         self.stops.labels(self.host_id, reason).inc()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not worth a line on stderr
+
+
+def _server_class(address: str) -> type[ThreadingWSGIServer]:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _presented(header: str) -> str | None:
+    """The token in an ``Authorization`` header: a bearer token, or basic auth's password."""
+    scheme, _, credentials = header.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return credentials.strip()
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(credentials.strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        return decoded.partition(":")[2]
+    return None
+
+
+def _require_token(app: WSGIApplication, token: str) -> WSGIApplication:
+    expected = token.encode("utf-8")
+
+    def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        presented = _presented(environ.get("HTTP_AUTHORIZATION", ""))
+        # compare_digest: how much of the token a guess got right does not show in the timing.
+        if presented is not None and hmac.compare_digest(presented.encode("utf-8"), expected):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="roundhouse metrics"')],
+        )
+        return [b"a token is needed (ROUNDHOUSE_METRICS_TOKEN)\n"]
+
+    return guarded
 
 
 class _ExecutorCollector(Collector):

@@ -10,8 +10,10 @@ the tests all take them from here.
   ``settings`` because ``Settings.queue`` needs it too)
 - heartbeat (§5): key ``roundhouse:hosts:<host_id>``, JSON, short TTL
 - events (§5): channel ``roundhouse:events:<host_id>``, capped stream
-  ``roundhouse:events:<host_id>:log``, seq counter ``roundhouse:events:<host_id>:seq``, and
-  one last-sent marker per publisher, ``roundhouse:events:<host_id>:last:<publisher>``
+  ``roundhouse:events:<host_id>:log``, seq counter ``roundhouse:events:<host_id>:seq``,
+  one last-sent marker per publisher, ``roundhouse:events:<host_id>:last:<publisher>``, and
+  the stream's byte account ``roundhouse:events:<host_id>:log:sizes`` (sorted set) and
+  ``roundhouse:events:<host_id>:log:bytes``
 - stop through Redis (§6): key ``roundhouse:stop:<host_id>:<task_id>`` and channel
   ``roundhouse:control:<host_id>`` (per host, so that an ACL can give each worker only its own)
 - the control plane (§11): the kwarg ``roundhouse_envelope`` that a signed task carries in
@@ -48,6 +50,7 @@ __all__ = [
     "queue_name",
     "seq_key",
     "stop_key",
+    "stream_account_keys",
     "stream_name",
     "unacked_keys",
 ]
@@ -79,6 +82,12 @@ def channel_name(host_id: str) -> str:
 def stream_name(host_id: str) -> str:
     """The capped stream that keeps a worker's events for replay."""
     return f"roundhouse:events:{host_id}:log"
+
+
+def stream_account_keys(host_id: str) -> tuple[str, str]:
+    """What the stream holds, kept beside it to bound it in bytes: each entry's id and size (a
+    sorted set by seq), and the entries and bytes in all (``"<entries> <bytes>"``)."""
+    return f"{stream_name(host_id)}:sizes", f"{stream_name(host_id)}:bytes"
 
 
 def seq_key(host_id: str) -> str:

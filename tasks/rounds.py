@@ -144,7 +144,11 @@ def apply_delta(
 def reset(self: Task, tenant: str | None = None) -> dict[str, Any]:
     rt = runtime()
     with rt.task(self.request.id, "reset"):
-        return {"wiped_bytes": rt.executor.reset(tenant=tenant)}
+        try:
+            return {"wiped_bytes": rt.executor.reset(tenant=tenant)}
+        finally:
+            # The tenant boundary: the next tenant replays none of the last one's events.
+            rt.events.cut()
 
 
 def status(self: Task) -> dict[str, Any]:

@@ -52,12 +52,7 @@ class ChildRuntime:
 
         self.settings = settings
         self.host_id = settings.host_id
-        self.events = EventPublisher(
-            settings.redis_events_url,
-            settings.host_id,
-            stream_maxlen=settings.events_stream_maxlen,
-            buffer_size=settings.events_buffer_size,
-        )
+        self.events = EventPublisher.from_settings(settings)
         self._lock = threading.Lock()
         self.current: Current | None = None
         self.executor = Executor(
@@ -82,7 +77,8 @@ class ChildRuntime:
             settings.redis_events_url, socket_timeout=2, socket_connect_timeout=2
         )
         self.metrics = WorkerMetrics(settings.host_id, self.status)
-        self.metrics.serve(settings.metrics_port, settings.metrics_address)
+        token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
+        self.metrics.serve(settings.metrics_port, settings.metrics_address, token)
         self._heartbeat = threading.Thread(target=self._beat, name="roundhouse-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -281,6 +277,11 @@ def runtime() -> ChildRuntime:
 
 
 def close_runtime(timeout_s: float = 2.0) -> None:
-    """Publish what the child's events still hold before it exits."""
+    """On the child's way out (billiard runs it on every exit it sees, a warm shutdown's and a
+    SIGTERM's alike): end its sandboxes, none left frozen behind it, then publish what its events
+    still hold."""
     if _runtime is not None:
+        from executor.sandbox import end_sandboxes  # the child's: torch is imported there already
+
+        end_sandboxes()
         _runtime.events.close(timeout_s=timeout_s)

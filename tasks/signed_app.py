@@ -107,7 +107,10 @@ class GatedNode(Node):
     ) -> Any:
         gate = getattr(self.mailbox, "gate", None)
         if gate is not None:
-            arguments = gate.admit_control(method, arguments)
+            # kombu ran it because its signed destination names this node, or because it
+            # names none (a pattern too reaches any worker whose name matches: a broadcast).
+            broadcast = not kwargs.get("destination")
+            arguments = gate.admit_control(method, arguments, broadcast=broadcast)
             if arguments is None:
                 return None  # refused: no reply either, its reply_to may not be the signer's
         return super().dispatch(method, arguments, reply_to, ticket, **kwargs)

@@ -4,7 +4,8 @@ Only the orchestrator commands a worker. A worker trusts exactly the certificate
 ``ROUNDHOUSE_TRUSTED_CERTS``; a client signs with ``ROUNDHOUSE_SIGNING_KEY`` and
 ``ROUNDHOUSE_SIGNING_CERT``. Signed are task messages, control commands (revoke,
 shutdown, inspect …) and ``RoundClient.stop``'s Redis stop requests; results and events
-stay JSON (what a worker says is not a command).
+stay JSON (what a worker says is not a command). The certificates in
+``ROUNDHOUSE_CONTROL_CERTS`` (Flower's) are trusted for control commands only.
 
 The wire format is Celery's own (``celery.security.serialization``, unchanged from 5.5 to
 5.7: pinned in pyproject.toml, and ``tests/unit/test_signing.py`` checks it against
@@ -25,7 +26,8 @@ before the task runs)::
      "timelimit": [hard_s|null, soft_s|null], "ignore_result": bool|null}
 
 and a control command's ``arguments`` carry ``{"v": 1, "command", "iat", "exp", "nonce"}``
-(its destination is part of the signed body already). A worker refuses a message whose
+(its destination is part of the signed body already; one without, a broadcast, is refused
+by a worker that started after its ``iat``). A worker refuses a message whose
 envelope names another task, id or queue, has expired (``exp``, at most
 ``ROUNDHOUSE_MESSAGE_MAX_AGE_S`` after ``iat``), or whose nonce it has seen finish
 (``tasks.gate``); it takes eta, expiry and time limits from the envelope, not the headers.
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.exceptions import SecurityError
-from celery.security.certificate import Certificate, FSCertStore
+from celery.security.certificate import Certificate, CertStore, FSCertStore
 from celery.security.key import PrivateKey
 from celery.security.serialization import SecureSerializer
 from celery.utils.log import get_logger
@@ -79,16 +81,24 @@ class SigningError(RuntimeError):
     """The keys or certificates of the control plane are missing or unusable (configuration)."""
 
 
+REFUSAL_DETAIL_MAX_CHARS = 512
+
+
 class Refused(Exception):
     """A message a worker will not act on; ``reason`` is a stable code.
 
     ``unsigned``, ``untrusted_signer``, ``bad_signature`` (tampered, or an expired
     certificate), ``malformed``, ``no_envelope``, ``wrong_task``, ``wrong_id``,
     ``wrong_host``, ``expired``, ``not_yet_valid``, ``lifetime_too_long``,
-    ``eta_after_expiry``, ``replay``.
+    ``eta_after_expiry``, ``replay``, ``replay_store`` (neither replay store could record
+    it), ``unknown_task``, ``before_start`` (a broadcast older than the worker).
     """
 
     def __init__(self, reason: str, detail: str = "") -> None:
+        # The detail often quotes what the sender chose (a content type, a name): cut here, so
+        # that neither the worker log nor the refusal event carries a sender's megabyte.
+        if len(detail) > REFUSAL_DETAIL_MAX_CHARS:
+            detail = detail[:REFUSAL_DETAIL_MAX_CHARS] + f"… ({len(detail)} characters)"
         super().__init__(reason, detail)
         self.reason = reason
         self.detail = detail
@@ -133,24 +143,33 @@ class Signer:
 
 
 class Verifier:
-    """The trust store: which signers a worker obeys."""
+    """The trust store: which signers a worker obeys. ``control``: signers obeyed for control
+    commands only (``ROUNDHOUSE_CONTROL_CERTS``, Flower's): :meth:`open`, which tasks and stop
+    requests pass through, does not know them, so what they sign as a task is refused
+    ``untrusted_signer``."""
 
-    def __init__(self, store: str) -> None:
-        if not (os.path.isdir(store) or glob.glob(store)):
-            raise SigningError(f"ROUNDHOUSE_TRUSTED_CERTS names nothing: {store}")
-        try:
-            self._store = FSCertStore(store)
-        except SecurityError as exc:
-            raise SigningError(f"unusable trust store {store}: {exc}") from None
+    def __init__(self, store: str, control: str | None = None) -> None:
+        self._store = _cert_store(store, "ROUNDHOUSE_TRUSTED_CERTS")
         self.trusted = sorted(cert.get_id() for cert in self._store.itercerts())
         if not self.trusted:
             raise SigningError(f"no certificate in the trust store {store}")
         self._serializer = SecureSerializer(None, None, self._store, DIGEST, "json")
+        commanders = CertStore()  # the mailbox's decoder: every signer a command may come from
+        for cert in self._store.itercerts():
+            commanders.add_cert(cert)
+        self.control_only: list[str] = []
+        for cert in _cert_store(control, "ROUNDHOUSE_CONTROL_CERTS").itercerts() if control else ():
+            if cert.get_id() not in self.trusted:
+                commanders.add_cert(cert)
+                self.control_only.append(cert.get_id())
+        self._control_serializer = SecureSerializer(None, None, commanders, DIGEST, "json")
 
     def register(self) -> None:
-        """Celery's decoder for ``application/data``, with this store (the prefork child
-        decodes what the MainProcess did not hand it decoded)."""
-        registry.register("auth", None, self._serializer.deserialize, AUTH_CONTENT_TYPE, "utf-8")
+        """Celery's decoder for ``application/data``, with this store and the control-only
+        signers: kombu decodes control commands with it. A task is decoded with it too, but
+        runs only once the gate's :meth:`open`, which knows the task signers alone, passed it
+        (the prefork child takes the body the gate checked)."""
+        registry.register("auth", None, self._control_serializer.deserialize, AUTH_CONTENT_TYPE, "utf-8")
 
     def open(self, payload: bytes | str) -> Any:
         """The JSON inside a signed payload; :class:`Refused` saying why not."""
@@ -198,8 +217,17 @@ def load_security(settings: Settings) -> Security | None:
         if not (settings.signing_key and settings.signing_cert):
             raise SigningError("ROUNDHOUSE_SIGNING_KEY and ROUNDHOUSE_SIGNING_CERT go together")
         signer = Signer.from_files(settings.signing_key, settings.signing_cert)
-    verifier = Verifier(settings.trusted_certs) if settings.trusted_certs else None
+    verifier = Verifier(settings.trusted_certs, settings.control_certs) if settings.trusted_certs else None
     return Security(signer, verifier, settings.message_max_age_s)
+
+
+def _cert_store(store: str, setting: str) -> FSCertStore:
+    if not (os.path.isdir(store) or glob.glob(store)):
+        raise SigningError(f"{setting} names nothing: {store}")
+    try:
+        return FSCertStore(store)
+    except SecurityError as exc:
+        raise SigningError(f"unusable trust store {store}: {exc}") from None
 
 
 def _read(path: str, setting: str) -> str:

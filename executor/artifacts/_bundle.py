@@ -16,7 +16,6 @@ which live only in the executor's canonical model file.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -38,6 +37,7 @@ from executor.artifacts._extract import (
     reject_remote_code,
 )
 from executor.errors import BadArtifact, into, map_exceptions
+from executor.fileio import remove_tree
 
 PREPROCESSOR_CONFIG_NAME = "preprocessor_config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -98,7 +98,7 @@ def stage_bundle(
             consolidate_weights(root, model_out, load_state)
             return StagedBundle(staging_dir, root, preprocessor_config)
         except BaseException:
-            shutil.rmtree(staging_dir, ignore_errors=True)
+            remove_tree(staging_dir, ignore_errors=True)
             raise
 
 
@@ -115,11 +115,11 @@ def commit_bundle(staged: StagedBundle, bundle_dir: str) -> None:
             os.rename(old, bundle_dir)
         raise
     finally:
-        shutil.rmtree(staged.staging_dir, ignore_errors=True)
+        remove_tree(staged.staging_dir, ignore_errors=True)
 
 
 def discard_bundle(staged: StagedBundle) -> None:
-    shutil.rmtree(staged.staging_dir, ignore_errors=True)
+    remove_tree(staged.staging_dir, ignore_errors=True)
 
 
 # --- weights -------------------------------------------------------------------------------

@@ -1,17 +1,18 @@
 """Model artifacts: from a downloaded file to the executor's one canonical model file.
 
-Whatever the orchestrator sends (safetensors, a ``torch.save`` state dict in the
-zip or the legacy format, or a zipped Hugging Face bundle), the executor works on
+Whatever the orchestrator sends (safetensors, a ``torch.save`` state dict in its zip
+format, or a zipped Hugging Face bundle), the executor works on
 exactly one file, ``<dest_dir>/model.safetensors``, so that the sync-delta apply,
 the state hash and mmap loading know one format. The format is detected by
 content; the URL's suffix is only a hint for the error message of a file that
 matches nothing (a ``.pt`` from ``torch.save`` is itself a zip, told apart from a
 bundle by its members).
 
-Pickle is never trusted: torch checkpoints load with ``weights_only=True``, so a
-serialized ``nn.Module`` is refused, and a bundle that needs remote code is
-refused too. A failed preparation leaves the previous model file and bundle
-exactly as they were.
+Pickle is never trusted: torch's legacy bare-pickle format is refused, a zip's pickle is
+held to a budget in proportion to its storages before it is loaded
+(:mod:`executor.torchzip`), and it loads with ``weights_only=True``, so a serialized
+``nn.Module`` is refused; a bundle that needs remote code is refused too. A failed
+preparation leaves the previous model file and bundle exactly as they were.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from executor import fileio, tensorfile
+from executor import fileio, tensorfile, torchzip
 from executor.artifacts import _bundle as bundle
 from executor.artifacts._extract import is_bundle_zip
 from executor.errors import BadArtifact, RoundhouseError, Translations, describe, into, map_exceptions
@@ -109,29 +110,35 @@ def detect_format(path: str, hint: str = "") -> str:
     )
 
 
-def model_head(hint: str, max_bytes: int) -> tuple[int, Callable[[bytes], None]]:
+def model_head(hint: str, max_bytes: int) -> tuple[int, Callable[[bytes], int | None]]:
     """The ``head`` hook of a model download (``transfer.fetch``): its first bytes checked
-    by :func:`check_model_head` before the rest is written."""
+    by :func:`check_model_head` before the rest is written, the body then capped at what a
+    safetensors header promises."""
     return HEAD_BYTES, partial(check_model_head, hint=hint, max_bytes=max_bytes)
 
 
-def check_model_head(head: bytes, *, hint: str, max_bytes: int) -> None:
-    """Refuse a model from its first bytes: a safetensors header that promises more than
-    ``max_bytes``, or that is not safetensors-shaped when the file claims to be (its first
-    bytes, or a ``.safetensors`` URL with content that is no zip or pickle either).
+def check_model_head(head: bytes, *, hint: str, max_bytes: int) -> int | None:
+    """Refuse a model from its first bytes: the legacy torch format, a safetensors header
+    that promises more than ``max_bytes``, or one that is not safetensors-shaped when the
+    file claims to be (its first bytes, or a ``.safetensors`` URL with content that is no
+    zip either). Returns the size a parsed safetensors header promises (header and data:
+    the body is cut there, whatever the server sends), else None (no tighter cap).
 
     A header longer than ``head`` is checked only for its length here; the download's
     byte cap still bounds it, and the whole file is validated once it is on disk.
     """
-    if head[:4] in _ZIP_MAGICS or _is_pickle(head):
-        return  # a torch checkpoint or a bundle: checked whole once downloaded
+    if _is_pickle(head):
+        raise BadArtifact(f"model file {torchzip.LEGACY_REFUSED}")
+    if head[:4] in _ZIP_MAGICS:
+        return None  # a torch checkpoint or a bundle: checked whole once downloaded
     if head[8:9] != b"{":
         if hint == ".safetensors":
             raise BadArtifact("model file (.safetensors) does not start with a safetensors header")
-        return
+        return None
     length = tensorfile.header_length(head[:8])
     promised = 8 + length
-    if 8 + length <= len(head):
+    parsed = 8 + length <= len(head)
+    if parsed:
         header = tensorfile.parse_header(head[8 : 8 + length], None)
         promised = header.data_offset + header.data_bytes
     if promised > max_bytes:
@@ -140,11 +147,12 @@ def check_model_head(head: bytes, *, hint: str, max_bytes: int) -> None:
             f"of {max_bytes} bytes (ROUNDHOUSE_MAX_MODEL_MB)",
             {"promised": promised, "cap": max_bytes},
         )
+    return promised if parsed else None
 
 
 def _is_pickle(head: bytes) -> bool:
-    # torch.save's legacy format is a bare pickle (PROTO opcode, protocol 2..5).
-    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+    # torch.save's legacy format is a bare pickle (PROTO opcode, protocol 2..5): detected to be refused.
+    return torchzip.is_legacy_pickle(head)
 
 
 def prepare_model_artifact(
@@ -175,7 +183,7 @@ def prepare_model_artifact(
         if staged is not None:
             bundle.commit_bundle(staged, bundle_dir)
         else:
-            shutil.rmtree(bundle_dir, ignore_errors=True)
+            fileio.remove_tree(bundle_dir, ignore_errors=True)
     if source_format != SAFETENSORS:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(downloaded)
@@ -275,12 +283,14 @@ def _count_keys(path: str) -> int:
 
 
 def load_torch_state(path: str) -> dict[str, torch.Tensor]:
-    """A ``torch.save`` state dict loaded with ``weights_only`` (zip archives memory-mapped)."""
-    with open(path, "rb") as file:
-        # The zip magic, not zipfile.is_zipfile: a legacy pickle may hold an end-of-archive record by chance.
-        is_zip = file.read(4) == b"PK\x03\x04"
-    if is_zip:
-        _check_torch_zip(path)
+    """A ``torch.save`` state dict loaded with ``weights_only`` (memory-mapped), after its pickle is
+    held to the budget of its storage records (:func:`executor.torchzip.check_torch_zip`): the
+    legacy bare-pickle format is refused, and decoding is bounded by the file's own size."""
+    with (
+        map_exceptions({OSError: into(BadArtifact, "torch checkpoint cannot be read")}),
+        open(path, "rb") as file,
+    ):
+        torchzip.check_torch_zip(file, "torch checkpoint")
     refused: Translations = {
         pickle.UnpicklingError: lambda exc: BadArtifact(
             f"serialized modules are rejected: the checkpoint holds more than tensors ({_refusal(exc)})"
@@ -288,30 +298,16 @@ def load_torch_state(path: str) -> dict[str, torch.Tensor]:
         Exception: into(BadArtifact, "torch checkpoint cannot be read", LONG_CAUSE_CHARS),
     }
     with map_exceptions(refused):
-        loaded = _torch_load(path, mmap=is_zip)
+        loaded = _torch_load(path)
     return state_from_loaded(loaded, BadArtifact)
 
 
-def _torch_load(path: str, *, mmap: bool) -> Any:
+def _torch_load(path: str) -> Any:
     if path.endswith(".safetensors"):
         # torch.load picks its reader by that suffix; this content was detected as a torch checkpoint.
         with open(path, "rb") as file:
             return torch.load(file, weights_only=True, map_location="cpu")
-    return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
-
-
-def _check_torch_zip(path: str) -> None:
-    # torch.save stores members uncompressed; a compressed one could only be a bomb.
-    with map_exceptions(
-        {(zipfile.BadZipFile, OSError): into(BadArtifact, "torch checkpoint is not a readable zip")}
-    ):
-        archive = zipfile.ZipFile(path)
-    with archive:
-        for info in archive.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise BadArtifact(
-                    f"torch checkpoint member {info.filename!r} is compressed; torch.save never is"
-                )
+    return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
 
 
 def _refusal(exc: BaseException) -> str:

@@ -22,7 +22,7 @@ encoder and the bit-exact decoder, ``QuantizedDelta``). ``_decode``, ``_wire`` a
 """
 
 from executor.delta._apply import apply_sync_delta
-from executor.delta._decode import max_delta_bytes, zstd_bound
+from executor.delta._decode import max_delta_bytes, max_delta_tensors, zstd_bound
 from executor.delta._feedback import ErrorFeedback, SyncFeedback
 from executor.delta._quant import (
     DeltaFormat,
@@ -49,9 +49,10 @@ from executor.delta._sync import (
     make_sync_delta,
     state_hash,
 )
-from executor.delta._wire import read_delta, write_delta, write_result_delta
+from executor.delta._wire import DEFAULT_MAX_DELTA_BYTES, read_delta, write_delta, write_result_delta
 
 __all__ = [
+    "DEFAULT_MAX_DELTA_BYTES",
     "DEFAULT_SCHEME",
     "SCHEMES",
     "DeltaFormat",
@@ -71,6 +72,7 @@ __all__ = [
     "format_name",
     "make_sync_delta",
     "max_delta_bytes",
+    "max_delta_tensors",
     "new_hasher",
     "quantize",
     "read_delta",

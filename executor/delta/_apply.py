@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import torch
 
-from executor.delta._decode import DeltaSource, max_delta_bytes
+from executor.delta._decode import DeltaSource
 from executor.delta._schemes import SHA256, hash_prefix, new_hasher, scheme_of
 from executor.delta._sync import (
     apply_rule,
@@ -162,7 +162,7 @@ def apply_sync_delta(
         base_file = stack.enter_context(open(model_path, "rb"))
         header = read_header(base_file)
         # The delta's cap is known before its first byte is decoded: the model bounds it.
-        source = stack.enter_context(DeltaSource(delta_path, max_delta_bytes(header)))
+        source = stack.enter_context(DeltaSource.for_model(delta_path, header))
         check_delta_specs(
             {n: (s.dtype, s.shape) for n, s in header.specs.items()},
             {n: (s.dtype, s.shape) for n, s in source.specs.items()},

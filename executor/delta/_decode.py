@@ -17,6 +17,11 @@ names a subset of the model's keys with its shapes, so it is at most the model's
 plus, per key, a different dtype code, two wider offsets and JSON whitespace; the seed's
 ``torch.save`` zip adds a few hundred bytes a tensor (member headers, 64-byte alignment,
 pickle opcodes). ``PER_KEY_BYTES`` and ``FIXED_BYTES`` cover both with room to spare.
+
+The seed's format is a pickle, and a pickle's bytes do not bound the objects its unpickler
+builds (one byte of ``EMPTY_SET`` is a 216-byte set). Its legacy bare-pickle form is refused
+from its first bytes; the zip form's pickle is walked without building anything and held to
+a budget of :func:`max_delta_tensors` tensors (:mod:`executor.torchzip`) before ``torch.load``.
 """
 
 from __future__ import annotations
@@ -24,13 +29,13 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-import zipfile
 from collections.abc import Iterable, Mapping
 from typing import IO
 
 import torch
 import zstandard
 
+from executor import torchzip
 from executor.delta._qlayout import SliceDecoder, parse_layout
 from executor.delta._sync import is_floating
 from executor.errors import BadArtifact, into, map_exceptions
@@ -69,6 +74,14 @@ def max_delta_bytes(model: str | Header | Mapping[str, torch.Tensor]) -> int:
     entries = [(name, model[name].dtype, tuple(model[name].shape)) for name in sorted(model)]
     header = len(StreamWriter(io.BytesIO(), entries).header_bytes)
     return _bound(((t.dtype, t.numel()) for t in model.values()), header)
+
+
+def max_delta_tensors(model: Header | Mapping[str, torch.Tensor]) -> int:
+    """The most tensors a delta for ``model`` holds: one per floating key (the pickle budget of
+    the seed's torch format, :mod:`executor.torchzip`)."""
+    if isinstance(model, Header):
+        return sum(1 for s in model.specs.values() if is_floating(s.dtype))
+    return sum(1 for t in model.values() if is_floating(t.dtype))
 
 
 def _bound(keys: Iterable[tuple[torch.dtype, int]], header_bytes: int) -> int:
@@ -163,8 +176,9 @@ class CappedStream:
 
 
 def is_torch_prefix(prefix: bytes) -> bool:
-    """The seed's ``torch.save``: a zip (the default), or a bare pickle (the legacy format)."""
-    return prefix[:4] == b"PK\x03\x04" or (prefix[0] == 0x80 and 2 <= prefix[1] <= 5)
+    """The seed's ``torch.save``: a zip (the default), or a bare pickle (the legacy format, told
+    apart only to be refused with a clear message)."""
+    return torchzip.is_zip(prefix) or torchzip.is_legacy_pickle(prefix)
 
 
 def read_stream_header(stream: CappedStream, prefix: bytes) -> Header:
@@ -185,18 +199,20 @@ def spool(directory: str) -> IO[bytes]:
         return tempfile.TemporaryFile(dir=directory)
 
 
-def load_torch_delta(stream: CappedStream, prefix: bytes, spool_dir: str) -> dict[str, torch.Tensor]:
-    """The seed's ``torch.save`` dict, decoded once to a spool file (within the cap), loaded
-    with ``weights_only``: the tensors are all it holds in memory."""
+def load_torch_delta(
+    stream: CappedStream, prefix: bytes, spool_dir: str, max_tensors: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The seed's ``torch.save`` dict, decoded once to a spool file (within the cap), its pickle
+    checked within ``max_tensors`` tensors (:func:`executor.torchzip.check_torch_zip`; None: from
+    its storage records), then loaded with ``weights_only``: the tensors are all it holds."""
+    if not torchzip.is_zip(prefix):
+        raise BadArtifact(f"delta {torchzip.LEGACY_REFUSED}")  # refused before the rest is decoded
     what = "delta is neither safetensors nor a weights-only torch dict"
     with spool(spool_dir) as file:
         file.write(prefix)
         with map_exceptions({}, where=spool_dir):
             stream.copy_to(file, None)
-        file.seek(0)
-        if prefix[:4] == b"PK\x03\x04":
-            _check_stored(file)
-            file.seek(0)
+        torchzip.check_torch_zip(file, "delta", max_tensors)
         with map_exceptions({Exception: into(BadArtifact, what)}):
             loaded = torch.load(file, map_location="cpu", weights_only=True)
     if not isinstance(loaded, dict) or not all(
@@ -204,17 +220,6 @@ def load_torch_delta(stream: CappedStream, prefix: bytes, spool_dir: str) -> dic
     ):
         raise BadArtifact("delta must be a dict of tensors")
     return loaded
-
-
-def _check_stored(file: IO[bytes]) -> None:
-    # torch.save stores members uncompressed; a compressed one could only be a bomb in the bomb.
-    with (
-        map_exceptions({(zipfile.BadZipFile, OSError): into(BadArtifact, "delta zip cannot be read")}),
-        zipfile.ZipFile(file) as archive,
-    ):
-        for info in archive.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise BadArtifact(f"delta zip member {info.filename!r} is compressed; torch.save never is")
 
 
 # ---------------------------------------------------------------- the apply's delta source
@@ -229,7 +234,8 @@ class DeltaSource:
     seed's torch format is loaded from such a file (its tensors held, nothing more).
     """
 
-    def __init__(self, path: str, cap: int) -> None:
+    def __init__(self, path: str, cap: int, max_tensors: int | None = None) -> None:
+        self._max_tensors = max_tensors
         self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
         self._stream: CappedStream | None = None
         self._spool: IO[bytes] | None = None
@@ -245,7 +251,7 @@ class DeltaSource:
     def _open(self, stream: CappedStream, spool_dir: str) -> dict[str, TensorSpec]:
         prefix = stream.read(8)
         if is_torch_prefix(prefix):
-            self._tensors = load_torch_delta(stream, prefix, spool_dir)
+            self._tensors = load_torch_delta(stream, prefix, spool_dir, self._max_tensors)
             return {n: TensorSpec(n, t.dtype, tuple(t.shape), 0, 0) for n, t in self._tensors.items()}
         header = read_stream_header(stream, prefix)
         ordered = sorted(header.specs.values(), key=lambda s: s.name)
@@ -264,6 +270,11 @@ class DeltaSource:
                 stream.copy_to(self._spool, header.data_bytes)
                 self._spool.flush()  # read back with pread, below the buffer
         return layout.specs() if layout is not None else header.specs
+
+    @classmethod
+    def for_model(cls, path: str, model: Header) -> DeltaSource:
+        """The delta at ``path`` within the bounds of the model it applies to (bytes and tensors)."""
+        return cls(path, max_delta_bytes(model), max_delta_tensors(model))
 
     def read_slice(self, spec: TensorSpec, offset: int, nbytes: int, out: memoryview) -> None:
         """Fill ``out`` with bytes [offset, offset+nbytes) of ``spec``'s data; calls must go forward.

@@ -27,6 +27,7 @@ from executor.delta._qlayout import decode_all, parse_layout
 from executor.delta._quant import DeltaFormat, QuantizedDelta, QuantScheme
 from executor.delta._qwire import trained_keys, write_quantized, write_quantized_result
 from executor.delta._sync import HASH_PREFIX, hash_entry_header, is_floating
+from executor.errors import BadArtifact
 from executor.fileio import atomic_writer
 from executor.tensorfile import StreamWriter, dtype_name, read_header, read_tensor, tensor_bytes
 
@@ -84,12 +85,21 @@ def write_delta(delta: Mapping[str, torch.Tensor], path: str) -> DeltaFile:
     )
 
 
-def read_delta(path: str, *, max_bytes: int = DEFAULT_MAX_DELTA_BYTES) -> dict[str, torch.Tensor]:
+def read_delta(
+    path: str,
+    *,
+    max_bytes: int = DEFAULT_MAX_DELTA_BYTES,
+    max_tensors: int | None = None,
+    allow_torch: bool = True,
+) -> dict[str, torch.Tensor]:
     """Load a delta file whole: zstd(safetensors), or the seed's zstd(torch.save dict).
 
     ``max_bytes`` caps what the file may decode to (``BadArtifact`` past it, nothing decoded
     for a frame or header that promises more). Pass :func:`max_delta_bytes` of the model the
-    delta belongs to; the default is the largest model a worker loads by default.
+    delta belongs to; the default is the largest model a worker loads by default. The seed's
+    torch format is refused when ``allow_torch`` is false (what a worker writes is never in it),
+    else its pickle is held to ``max_tensors`` tensors (:func:`max_delta_tensors` of the model;
+    None: its own storage records) before it is loaded.
     The data is decoded once, straight into the tensors returned. A quantised delta is
     returned dequantised (float32), after every check of its layout and values.
     """
@@ -98,7 +108,11 @@ def read_delta(path: str, *, max_bytes: int = DEFAULT_MAX_DELTA_BYTES) -> dict[s
         try:
             prefix = stream.read(8)
             if is_torch_prefix(prefix):
-                return load_torch_delta(stream, prefix, os.path.dirname(os.path.abspath(path)))
+                if not allow_torch:
+                    raise BadArtifact(
+                        "delta is in the seed's torch format; only zstd(safetensors) is accepted"
+                    )
+                return load_torch_delta(stream, prefix, os.path.dirname(os.path.abspath(path)), max_tensors)
             header = read_stream_header(stream, prefix)
             layout = parse_layout(header)  # None: a float delta
             tensors: dict[str, torch.Tensor] = {}

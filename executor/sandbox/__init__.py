@@ -1,7 +1,8 @@
 """The sandboxed runner (DESIGN §8): tenant code in a process of its own, with no network.
 
 - ``SandboxedRunner``: the :class:`~executor.rounds.RoundRunner` the Executor uses when tenant
-  code is untrusted; one warm runner process per session;
+  code is untrusted; one warm runner process per session; ``end_sandboxes``: every sandbox the
+  process started ended (a worker process's way out);
 - launch (``_launch``: bwrap, the ``unshare`` mode, which one ``auto`` picks — ``resolve_mode``,
   ``bwrap_works``), the seccomp filter (``_seccomp``: ``build_filter``);
 - the protocol (``_protocol``: JSON lines of at most ``MAX_FRAME_BYTES``, ``RoundRequest``);
@@ -22,7 +23,7 @@ Inside the package, bottom up: ``_seccomp``, ``_launch``, ``_protocol``, ``_resu
 from executor.sandbox._launch import bwrap_works, resolve_mode
 from executor.sandbox._protocol import MAX_FRAME_BYTES, RoundRequest, checked_error, read_frame
 from executor.sandbox._result import read_result
-from executor.sandbox._sandboxed import SandboxedRunner
+from executor.sandbox._sandboxed import SandboxedRunner, end_sandboxes
 from executor.sandbox._seccomp import AARCH64, X86_64, build_filter
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "build_filter",
     "bwrap_works",
     "checked_error",
+    "end_sandboxes",
     "read_frame",
     "read_result",
     "resolve_mode",

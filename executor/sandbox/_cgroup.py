@@ -24,6 +24,13 @@ into each group, then execs. The sandbox cannot leave: the group files are root'
 not share a ``name``: making a group removes a stale one of that name, processes and all.
 :func:`support` says which kind this host gives, and why not a better one.
 
+A group's name ends in its owner (:func:`owned_name`): the worker's host id (hashed), and the
+process that made it by pid namespace, pid and start time. A group is reclaimed (emptied and
+removed) only when its owner is provably gone: in this process's pid namespace, no process with
+that pid and start time lives. A group made in another pid namespace (another container sharing
+the cgroup tree) is never judged by its pid, which means nothing here; :func:`reclaim`, as a
+worker starts, also ends those of its own host id (one worker per host id at a time).
+
 Inside the package: ``_confinement`` (the contract and its helpers) imports no sibling, ``_pidns``
 imports it, and this module imports both.
 """
@@ -37,6 +44,7 @@ import hashlib
 import logging
 import os
 import re
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +59,8 @@ from executor.sandbox._confinement import (
     Confinement,
     read,
     sigkill,
+    start_time,
+    stop_threads,
     wait_until,
     write,
 )
@@ -64,7 +74,7 @@ V2_CONTROLLERS = ("memory", "pids")
 GROUP_DIR = "roundhouse"
 JOIN_FAILED = 97  # the prefix's exit status when it cannot join a group
 _JOIN = 'for f; do [ "$f" = -- ] && break; echo 0 > "$f" || exit 97; shift; done; shift; exec "$@"'
-_OWNED = re.compile(r"-(\d+)-[0-9a-f]{8}$")
+_OWNER = re.compile(r"\.([0-9a-f]{8})-(\d+)-(\d+)-(\d+)$")  # .<host tag>-<pid ns>-<pid>-<start time>
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,62}")
 
 
@@ -74,6 +84,34 @@ def group_name(name: str) -> str:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:12]
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:48].lstrip('.')}-{digest}"
+
+
+def owned_name(name: str, host_id: str) -> str:
+    """``name`` as a group name that says whose it is: ``<name>.<host tag>-<pid ns>-<pid>-<start
+    time>``, the calling process's (a pid alone may be reused, or mean another process in another
+    pid namespace)."""
+    pid = os.getpid()
+    return f"{group_name(name)}.{_host_tag(host_id)}-{_pid_ns()}-{pid}-{start_time(pid)}"
+
+
+def _host_tag(host_id: str) -> str:
+    return hashlib.sha256(host_id.encode()).hexdigest()[:8]
+
+
+def _pid_ns() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _orphaned(entry: str, host_id: str | None) -> bool:
+    """Whether the group ``entry``'s owner is provably gone (see the module's docstring);
+    ``host_id``: a worker of that host id is starting."""
+    match = _OWNER.search(entry)
+    if match is None:
+        return False
+    tag, ns, pid, start = match.group(1), *(int(field) for field in match.groups()[1:])
+    if ns != _pid_ns():
+        return host_id is not None and tag == _host_tag(host_id)
+    return start_time(pid) != start
 
 
 class _Cgroup(Confinement):
@@ -146,13 +184,27 @@ class Cgroup1(_Cgroup):
         write(f"{self.freezer}/freezer.state", "THAWED")
         self._frozen = False
 
-    def _release(self, killed: set[int]) -> None:
-        # Moving the killed out of the frozen group would thaw only them, but each move costs an
-        # RCU grace period (~3 ms); a thaw lets ``keep`` run for the moment they take to exit.
-        if killed:
-            self.thaw()
+    def _release(self, killed: set[int], spared: set[int]) -> None:
+        # A SIGKILL sent into a frozen v1 group acts only once it is thawed, and a plain thaw let
+        # the runner run unwatched meanwhile, up to SETTLE_S a pass (issue 25: tens of MiB
+        # written after "complete"). A frozen task handles its pending signals before it returns
+        # to user space: thawed, the killed die, and the spared, each thread sent a SIGSTOP while
+        # frozen, stop. Frozen again, they get their SIGCONT, which leaves them frozen. (Moving
+        # the killed out of the group instead costs an RCU grace period, ~3 ms, a process.)
+        if not killed:
+            return
+        held = spared & self.pids()
+        stop_threads(held)
+        try:
+            write(f"{self.freezer}/freezer.state", "THAWED")
             wait_until(lambda: not self._alive(killed), SETTLE_S)
-            self.freeze()
+        finally:
+            try:
+                self.freeze()
+            finally:
+                for pid in held:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
 
     def memory_bytes(self) -> int | None:
         return int(read(f"{self.memory}/memory.usage_in_bytes"))
@@ -267,18 +319,35 @@ def _new_group(base: str, name: str, controllers: Sequence[str], timeout_s: floa
     return group
 
 
-def _reclaim_orphans(parent: str, timeout_s: float) -> None:
-    """Remove the groups of workers that are gone: a sandbox's name ends in ``-<owner pid>-<8 hex>``
-    (:mod:`executor.sandbox._supervisor`), so a crashed worker's leftovers are known by a dead pid."""
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(parent):
-            match = _OWNED.search(entry)
-            if match is None or os.path.exists(f"/proc/{match.group(1)}"):
-                continue
-            group = os.path.join(parent, entry)
-            logger.warning("removing the sandbox group %s of a worker that is gone", group)
+def _reclaim_orphans(parent: str, timeout_s: float, host_id: str | None = None) -> None:
+    """End and remove the groups under ``parent`` whose owner is gone (:func:`_orphaned`)."""
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in (entry for entry in entries if _orphaned(entry, host_id)):
+        group = os.path.join(parent, entry)
+        logger.warning("removing the sandbox group %s of a worker that is gone", group)
+        try:
             if _drain([group], timeout_s):
                 _rmdirs([group], timeout_s)
+        except (OSError, SandboxRunnerError) as exc:  # the next reclaim tries again
+            logger.warning("sandbox group %s not removed: %s", group, exc)
+
+
+def reclaim(host_id: str, timeout_s: float = WAIT_S) -> None:
+    """As a worker of ``host_id`` starts: end the sandboxes dead workers left, in every
+    ``roundhouse`` group of each hierarchy this process could make groups in — those whose owner
+    is provably gone, and those of ``host_id`` made in another pid namespace. A frozen sandbox
+    whose worker died stays frozen until then (cgroup v1 holds even a SIGKILL)."""
+    try:
+        hierarchies = _hierarchies()
+    except OSError:
+        return
+    for key in (*V1_CONTROLLERS, "cgroup2"):  # the freezer first: the processes die thawed
+        hierarchy = hierarchies.get(key)
+        for base in dict.fromkeys((hierarchy.own, hierarchy.mount)) if hierarchy else ():
+            _reclaim_orphans(os.path.join(base, GROUP_DIR), timeout_s, host_id)
 
 
 def _group_in(hierarchy: _Hierarchy, make: Callable[[str], str], what: str) -> str:
@@ -381,9 +450,16 @@ _MAKERS: dict[str, Callable[[str, int, int, float], Confinement]] = {
 
 
 def confine(
-    name: str, *, memory_bytes: int, max_procs: int, prefer: str = "auto", timeout_s: float = WAIT_S
+    name: str,
+    *,
+    memory_bytes: int,
+    max_procs: int,
+    prefer: str = "auto",
+    timeout_s: float = WAIT_S,
+    host_id: str = "",
 ) -> Confinement:
-    """A new confinement for the sandbox ``name`` (unique among live sandboxes on this host).
+    """A new confinement for the sandbox ``name`` (unique among this process's live sandboxes),
+    of the worker ``host_id``; its group's name says so (:func:`owned_name`).
 
     ``prefer``: ``auto`` takes cgroup2 if usable, else cgroup1 (all of memory, pids and freezer),
     else pidns; an explicit kind that cannot be had raises ``SandboxUnavailable`` saying why.
@@ -393,7 +469,7 @@ def confine(
     reasons = []
     for kind in KINDS if prefer == "auto" else (prefer,):
         try:
-            return _MAKERS[kind](group_name(name), memory_bytes, max_procs, timeout_s)
+            return _MAKERS[kind](owned_name(name, host_id), memory_bytes, max_procs, timeout_s)
         except SandboxUnavailable as exc:
             reasons.append(f"{kind}: {exc.message}")
             logger.debug("confinement %s not usable: %s", kind, exc.message)
@@ -409,7 +485,7 @@ def support(prefer: str = "auto") -> str:
     reasons = []
     for kind in KINDS if prefer == "auto" else (prefer,):
         try:
-            _MAKERS[kind](f"probe-{os.getpid()}-{threading.get_ident()}", 64 * MIB, 64, WAIT_S).close()
+            _MAKERS[kind](owned_name(f"probe-{threading.get_ident()}", ""), 64 * MIB, 64, WAIT_S).close()
         except SandboxUnavailable as exc:
             reasons.append(f"{kind}: {exc.message}")
             continue

@@ -12,6 +12,8 @@ The shared rule for killing is here, in :meth:`Confinement.kill`, on top of each
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import signal
@@ -66,6 +68,35 @@ def proc_stat(path: str) -> tuple[str, int] | None:
 def proc_state(pid: int) -> str | None:
     stat = proc_stat(f"/proc/{pid}/stat")
     return stat[0] if stat else None
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot); None once it is gone or a zombie."""
+    try:
+        text = read(f"/proc/{pid}/stat")
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return None if fields[0] in DEAD else int(fields[19])
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def stop_threads(pids: Collection[int]) -> None:
+    """SIGSTOP every thread of ``pids`` (tgkill): a signal sent to a process wakes one of its
+    threads, and the others hear of the stop only once that one handles it."""
+    tgkill = getattr(_libc(), "tgkill", None)  # glibc 2.30+
+    for pid in pids:
+        if tgkill is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+            continue
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                tgkill(pid, int(tid), signal.SIGSTOP)
 
 
 def sigkill(pids: Collection[int]) -> Collection[int]:
@@ -155,8 +186,9 @@ class Confinement:
         it cannot be frozen, kill passes repeat until no new process appears). A process killed
         while frozen dies at once under cgroup2 and pidns (SIGKILL ends a stopped process), but
         under the v1 freezer only when thawed: if it killed any, a frozen cgroup1 sandbox is thawed
-        until they are gone (a millisecond or so, in which ``keep`` runs too), then frozen again.
-        Either way, once this returns no process but ``keep`` runs another user-space
+        until they are gone, every thread of ``keep`` and of its ancestors held by a SIGSTOP sent
+        while frozen, then frozen again and continued (``_release``): ``keep`` runs nothing
+        meanwhile. Either way, once this returns no process but ``keep`` runs another user-space
         instruction: each had a SIGKILL pending before it could run again. It waits up to
         ``SETTLE_S`` for them to be gone (zombies count as gone), so ``pids()`` is clean at once.
         """
@@ -170,6 +202,7 @@ class Confinement:
             except SandboxRunnerError as exc:
                 logger.warning("killing without freezing: %s", exc)
             killed: set[int] = set()
+            spared: set[int] = set()
             try:
                 spared = with_ancestors(keep, self.pids())
 
@@ -181,7 +214,7 @@ class Confinement:
                 converged = wait_until(no_new_target, self.timeout_s)
             finally:
                 if was_frozen and self._frozen:
-                    self._release(killed)
+                    self._release(killed, spared)
                 else:
                     self.thaw()
             if not converged:
@@ -195,5 +228,5 @@ class Confinement:
     def _alive(self, pids: set[int]) -> set[int]:
         return pids & self.pids()
 
-    def _release(self, killed: set[int]) -> None:
-        """Let processes killed while frozen die, the sandbox staying frozen."""
+    def _release(self, killed: set[int], spared: set[int]) -> None:
+        """Let processes killed while frozen die, the sandbox (``spared`` above all) staying frozen."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from executor.errors import SandboxUnavailable
-from executor.fileio import MIB
+from executor.fileio import MIB, remove_tree
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -403,15 +403,19 @@ def command(
 
 
 def prepare_dirs(paths: Paths, config: SandboxConfig) -> None:
-    """The task dir belongs to the sandbox uid; ro and model are the worker's, readable only."""
+    """The task dir belongs to the sandbox uid; ro and model are the worker's, readable only.
+
+    A sandbox starts with an empty task dir: what one left (a runner that died, a worker
+    process that crashed mid-round) is a tenant's tree of any shape, never walked, only
+    removed (:func:`executor.fileio.remove_tree`); what cannot be removed stays, as before."""
     for directory in (paths.ro, os.path.join(paths.ro, "shards"), os.path.join(paths.ro, "rounds")):
         os.makedirs(directory, mode=0o755, exist_ok=True)
         os.chmod(directory, 0o755)
+    remove_tree(paths.task, ignore_errors=True, keep_root=True)
     os.makedirs(paths.task, mode=0o700, exist_ok=True)
-    for sub in ("home", "cache", "out", "tmp", "offload"):
-        os.makedirs(os.path.join(paths.task, sub), mode=0o700, exist_ok=True)
+    subs = [os.path.join(paths.task, sub) for sub in ("home", "cache", "out", "tmp", "offload")]
+    for sub in subs:
+        os.makedirs(sub, mode=0o700, exist_ok=True)
     if os.geteuid() == 0:
-        for root, dirs, files in os.walk(paths.task):
-            for name in (*dirs, *files):
-                os.lchown(os.path.join(root, name), config.uid, config.gid)
-        os.chown(paths.task, config.uid, config.gid)
+        for directory in (*subs, paths.task):
+            os.lchown(directory, config.uid, config.gid)

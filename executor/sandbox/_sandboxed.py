@@ -16,16 +16,17 @@ import os
 import shutil
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from executor.errors import InvalidRequest
-from executor.fileio import temp_path_for
+from executor.fileio import remove_tree, temp_path_for
 from executor.rounds import RoundOutcome, RoundSession, RoundSpec
-from executor.sandbox._cgroup import support
+from executor.sandbox._cgroup import reclaim, support
 from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
 from executor.sandbox._protocol import RoundRequest
-from executor.sandbox._result import result_limit
+from executor.sandbox._result import result_header_limit, result_limit
 from executor.sandbox._spare import Spare
 from executor.sandbox._supervisor import Supervisor
 
@@ -73,6 +74,7 @@ class SandboxedRunner:
         # What a runner started by ``prepare`` was started with: (code, model path, file limit).
         self._prepared: tuple[str, str, int] | None = None
         self._lock = threading.Lock()
+        _LIVE.add(self)
 
     @classmethod
     def for_settings(
@@ -101,6 +103,8 @@ class SandboxedRunner:
             emit_log=emit_log,
             emit_stats=emit_stats,
         )
+        # What dead workers of this host left (frozen sandboxes hold memory, maybe a CUDA context).
+        reclaim(host_id)
         runner._supervisor_for(runner.paths).probe()  # the very launch rounds will use, or a refusal now
         return runner
 
@@ -189,7 +193,7 @@ class SandboxedRunner:
                 spare.assign(session.code, limit)
                 self._supervisor = spare
                 return spare
-            shutil.rmtree(self.paths.task, ignore_errors=True)
+            remove_tree(self.paths.task, ignore_errors=True)
             supervisor = self._supervisor_for(self.paths)
             supervisor.start(session.code, limit)
             self._supervisor = supervisor
@@ -213,7 +217,8 @@ class SandboxedRunner:
             model_path=self.paths.inside(session.model_path),
             bundle_root=self.paths.inside(session.bundle_root) if session.bundle_root else None,
         )
-        return supervisor.run_round(request, stop, result_limit(size))
+        header_limit = result_header_limit(session.model_path)
+        return supervisor.run_round(request, stop, result_limit(size), header_limit)
 
     def _serve_shard(self, index: int) -> str:
         """Pin the shard in the cache and make it readable at ``/ro/shards`` (never writable)."""
@@ -269,9 +274,23 @@ class SandboxedRunner:
                 self._supervisor = None
             self._prepared = None
         self._session = None
-        shutil.rmtree(os.path.dirname(self.paths.task), ignore_errors=True)
+        remove_tree(os.path.dirname(self.paths.task), ignore_errors=True)
         if spare:
             self._spare.discard()
+
+
+_LIVE: weakref.WeakSet[SandboxedRunner] = weakref.WeakSet()  # this process's, for end_sandboxes
+
+
+def end_sandboxes() -> None:
+    """End every sandbox this process's runners started (the sessions' runners and the spares)
+    and remove their confinements, keeping the sessions' files for a replacement process: what a
+    worker process does on its way out, so that no sandbox outlives it frozen. Never raises."""
+    for runner in list(_LIVE):
+        try:
+            runner.close(spare=True)
+        except Exception as exc:  # on the way out: the other runners are still ended
+            logger.warning("a sandbox was not ended: %s", exc)
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
 
+from executor.fileio import remove_tree
 from executor.sandbox._launch import Paths
 from executor.sandbox._supervisor import Supervisor
 
@@ -78,7 +78,7 @@ class Spare:
                 return
             if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_FAILURE_S:
                 return
-            shutil.rmtree(self._root, ignore_errors=True)
+            remove_tree(self._root, ignore_errors=True)
             # bwrap binds the model dir (a reset removes it; ModelFiles makes it the same way).
             os.makedirs(self.paths.model, mode=0o755, exist_ok=True)
             supervisor = self._supervisor = self._new_supervisor(self.paths)
@@ -118,11 +118,11 @@ class Spare:
             self._supervisor = self._thread = None
             if not supervisor.alive:
                 supervisor.close()
-                shutil.rmtree(self._root, ignore_errors=True)
+                remove_tree(self._root, ignore_errors=True)
                 return None
             # bwrap bound the directories, not their names: the runner keeps seeing them.
             session_root = os.path.dirname(target.task)
-            shutil.rmtree(session_root, ignore_errors=True)
+            remove_tree(session_root, ignore_errors=True)
             os.rename(self._root, session_root)
             supervisor.paths = target
         return supervisor
@@ -136,4 +136,4 @@ class Spare:
             supervisor.close()  # a start in progress sees it and raises
         if thread is not None:
             thread.join(DISCARD_JOIN_S)
-        shutil.rmtree(self._root, ignore_errors=True)
+        remove_tree(self._root, ignore_errors=True)

@@ -37,7 +37,7 @@ from executor.errors import (
     SandboxUnavailable,
     error_info,
 )
-from executor.fileio import atomic_write_json
+from executor.fileio import TREE_MAX_DEPTH, atomic_write_json
 from executor.rounds import RoundOutcome
 from executor.sandbox import _seccomp as seccomp
 from executor.sandbox._cgroup import Confinement, confine
@@ -51,7 +51,15 @@ from executor.sandbox._launch import (
 )
 from executor.sandbox._process import Ended, RunnerProcess, pipe_holding, spawn
 from executor.sandbox._protocol import RoundRequest, checked_error
-from executor.sandbox._result import MIN_RESULT_BYTES, RESULT_OVERHEAD_BYTES, read_result, tree_size
+from executor.sandbox._result import (
+    MIN_RESULT_BYTES,
+    OVER_QUOTA,
+    QUOTA_MAX_ENTRIES,
+    RESULT_OVERHEAD_BYTES,
+    read_result,
+    tree_size,
+)
+from executor.tensorfile import MAX_HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +224,14 @@ class Supervisor:
 
     def _confine(self, role: str) -> Confinement:
         # Unique per sandbox: two sandboxes of one worker process (a probe and a runner, two
-        # Executors of one library caller) never share a group.
+        # Executors of one library caller) never share a group. The group's name also says
+        # whose it is (the host id, this process): what a dead worker left is found by it.
         return confine(
-            f"{self._host_id}-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            f"{self._host_id}-{role}-{uuid.uuid4().hex[:8]}",
             memory_bytes=self.config.data_limit,
             max_procs=self.config.max_procs,
             prefer=self.config.confinement,
+            host_id=self._host_id,
         )
 
     def kill(self, reason: str = "killed") -> None:
@@ -253,7 +263,13 @@ class Supervisor:
 
     # ------------------------------------------------------------ rounds
 
-    def run_round(self, request: RoundRequest, stop: threading.Event, result_max_bytes: int) -> RoundOutcome:
+    def run_round(
+        self,
+        request: RoundRequest,
+        stop: threading.Event,
+        result_max_bytes: int,
+        result_max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> RoundOutcome:
         process, confinement = self._process, self._confinement
         if process is None or confinement is None or not process.alive:
             raise SandboxRunnerError("sandboxed runner is not running")
@@ -284,7 +300,7 @@ class Supervisor:
         violation = self._violation(process)
         if violation is not None:  # it kept talking after it said "complete": nothing it said counts
             return RoundOutcome.failed(violation.info(), time.monotonic() - started)
-        return self._outcome(process, done, stop, started, result_max_bytes)
+        return self._outcome(process, done, stop, started, (result_max_bytes, result_max_header_bytes))
 
     @staticmethod
     def _violation(process: RunnerProcess) -> SandboxProtocolError | None:
@@ -305,8 +321,8 @@ class Supervisor:
         try:
             confinement.freeze()
             process.settle()  # what it wrote before the freeze is read: a late frame is seen now
-            # Under the v1 freezer, killing thaws the sandbox for the moment the killed take to
-            # exit; what the runner forked in that moment is caught by the next pass.
+            # Nothing of the sandbox runs during a kill (under the v1 freezer the runner is held
+            # by SIGSTOP while the killed die): a second pass finds none, unless it cannot be held.
             for _ in range(QUIESCE_PASSES):
                 strays = confinement.kill(keep=self._keep)
                 if not strays:
@@ -369,7 +385,7 @@ class Supervisor:
         done: dict[str, Any] | None,
         stop: threading.Event,
         started: float,
-        result_max_bytes: int,
+        result_bounds: tuple[int, int],  # the result file's bytes, its header's bytes
     ) -> RoundOutcome:
         elapsed = time.monotonic() - started
         if done is None:
@@ -389,7 +405,7 @@ class Supervisor:
             if result is not None and error is None:
                 if not isinstance(result, str):
                     raise SandboxProtocolError("result must be a file name")
-                trained = read_result(self.paths.task, result, result_max_bytes)
+                trained = read_result(self.paths.task, result, *result_bounds)
         except SandboxProtocolError as exc:
             return RoundOutcome.failed(exc.info(), elapsed)
         training_time = done.get("training_time")
@@ -398,7 +414,21 @@ class Supervisor:
 
     def _watch(self, stop: threading.Event) -> None:
         """Wall time, disk quota and the stop grace period, while a round runs (between rounds
-        the sandbox is frozen: nothing in it can spend time or write)."""
+        the sandbox is frozen: nothing in it can spend time or write). Fails closed: a watchdog
+        that cannot watch any more (any exception in it) ends the sandbox, so the round fails."""
+        try:
+            self._watch_round(stop)
+        except BaseException as exc:  # whatever it was, nothing watches the round any more
+            reason = f"its watchdog failed: {type(exc).__name__}: {exc}"[:500]
+            logger.error("sandbox watchdog failed, ending the sandbox: %s", reason, exc_info=True)
+            try:
+                self.kill(reason)
+            finally:
+                process = self._process
+                if process is not None:  # even where the confinement's kill raised
+                    process.kill(reason)
+
+    def _watch_round(self, stop: threading.Event) -> None:
         started = time.monotonic()
         stop_seen: float | None = None
         while self._round_open and self.alive:
@@ -412,6 +442,14 @@ class Supervisor:
             if self.config.wall_time_s is not None and now - started > self.config.wall_time_s:
                 self.kill(f"wall time of {self.config.wall_time_s:.0f}s exceeded")
                 return
-            if tree_size(self.paths.task) > self.quota_bytes:
+            size = tree_size(self.paths.task)
+            if size >= OVER_QUOTA:
+                self.kill(
+                    f"task directory over its quota of {self.quota_bytes} bytes (unmeasurable: more "
+                    f"than {QUOTA_MAX_ENTRIES} entries, nested deeper than {TREE_MAX_DEPTH} levels, "
+                    "or unreadable)"
+                )
+                return
+            if size > self.quota_bytes:
                 self.kill(f"task directory over its quota of {self.quota_bytes} bytes")
                 return

@@ -28,7 +28,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -37,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from executor.errors import CacheTooSmall, Stopped
+from executor.fileio import remove_tree
 
 logger = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ class Ledger:
                 and not any(owner == tenant for owner, _ in usage.reserved)
                 and not [n for n in os.listdir(directory) if not n.endswith(LOCK_SUFFIX)]
             ):
-                shutil.rmtree(directory, ignore_errors=True)
+                remove_tree(directory, ignore_errors=True)
         return freed
 
     def clean_orphans(self) -> int:

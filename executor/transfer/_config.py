@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 # What a transfer reports as it goes: (bytes done, total bytes or None when unknown).
 Progress = Callable[[int, int | None], None]
 # fetch(head=(n_bytes, check)): check(the first n_bytes) before the rest is written; it
-# raises a RoundhouseError to refuse the download.
-Head = tuple[int, Callable[[bytes], None]]
+# raises a RoundhouseError to refuse the download, or returns a tighter byte cap for the
+# whole body (what a format's header promises), or None.
+Head = tuple[int, Callable[[bytes], int | None]]
 
 
 class Digest(Protocol):

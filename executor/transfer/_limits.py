@@ -7,7 +7,9 @@ stream, ranged segments, resume, local copies).
   written; a body that grows past it is refused once it has, with one byte more than the
   cap copied at most.
 - The head check: ``fetch(head=(n, check))`` runs ``check`` on the first ``n`` bytes as soon
-  as they are in the partial file (or at the end of a shorter body), once per fetch.
+  as they are in the partial file (or at the end of a shorter body), once per fetch. What it
+  returns, if not None, caps the body from then on (a format's header promising its size):
+  a size announced over it is refused at once, a body that grows past it as soon as it does.
 
 Either refusal is :class:`~._http.Refused`: never retried, and ``fetch`` removes the partial
 file before it raises the error inside.
@@ -44,6 +46,8 @@ class Limits:
         self._lock = threading.Lock()
         self._upto = 0
         self._checked = head is None
+        self._announced: int | None = None
+        self._head_cap: int | None = None  # the head check's cap on the body, once it returned one
 
     # ------------------------------------------------------------------ cap
 
@@ -51,6 +55,10 @@ class Limits:
         """Refuse a size announced over ``max_bytes``, before anything is written."""
         if total is not None and self.max_bytes is not None and total > self.max_bytes:
             raise self._over(f"{what} {total} bytes", self.max_bytes)
+        if total is not None:
+            self._announced = total
+            if self._head_cap is not None and total > self._head_cap:
+                raise self._promised(f"{what} {total} bytes")
 
     def copy_end(self, expected: int | None) -> int | None:
         """Where a copy stops: the expected size, else one byte past the cap (to see it broken)."""
@@ -63,12 +71,18 @@ class Limits:
         """Refuse a body of unknown length once ``size`` bytes of it are past the cap."""
         if self.max_bytes is not None and size > self.max_bytes:
             raise self._over(f"the body runs past {self.max_bytes} bytes", self.max_bytes)
+        if self._head_cap is not None and size > self._head_cap:
+            raise self._promised(f"the body runs past {self._head_cap} bytes")
         if self.unknown_cap is not None and size > self.unknown_cap:
             raise self._over(
                 f"a body of unknown length runs past {self.unknown_cap} bytes "
                 "(ROUNDHOUSE_MAX_UNKNOWN_DOWNLOAD_MB, unless the task names the size)",
                 self.unknown_cap,
             )
+
+    def _promised(self, what: str) -> Refused:
+        assert self._head_cap is not None
+        return self._over(f"{what}, more than its head promises", self._head_cap)
 
     def _over(self, what: str, cap: int) -> Refused:
         safe_url = redact_url(self.url)
@@ -89,19 +103,26 @@ class Limits:
 
     def mark(self, upto: int) -> None:
         """Bytes ``[0, upto)`` of the partial file are final."""
-        if self._checked:
+        if self._checked and self._head_cap is None:
             return
         with self._lock:
             self._upto = upto
             self._check_head(final=False)
+            self._check_promise()
 
     def add(self, count: int) -> None:
         """``count`` more bytes, right after the last ones, are final."""
-        if self._checked:
+        if self._checked and self._head_cap is None:
             return
         with self._lock:
             self._upto += count
             self._check_head(final=False)
+            self._check_promise()
+
+    def _check_promise(self) -> None:
+        # Past the head's promise: refused as soon as the bytes land, not at the model cap.
+        if self._head_cap is not None and self._upto > self._head_cap:
+            raise self._promised(f"the body runs past {self._head_cap} bytes")
 
     def finish(self) -> None:
         """The body is complete: check a head shorter than ``n`` bytes."""
@@ -122,8 +143,12 @@ class Limits:
         finally:
             os.close(fd)
         try:
-            check(bytes(first))
+            cap = check(bytes(first))
         except Stopped:
             raise
         except RoundhouseError as exc:
             raise Refused(exc) from None
+        if cap is not None and (self.max_bytes is None or cap < self.max_bytes):
+            self._head_cap = cap
+            if self._announced is not None and self._announced > cap:
+                raise self._promised(f"the server announces {self._announced} bytes")

@@ -16,8 +16,11 @@ anything is fetched or written, and again at every connection:
   (:meth:`UrlPolicy.addresses`) and connects only to those very addresses, so a name that
   answers differently the next time (DNS rebinding) is checked again then, never trusted
   from an earlier answer. A name any of whose addresses is refused is refused whole.
-  Refused: loopback, link-local, unspecified, the cloud metadata addresses, IPv4-mapped
-  IPv6 forms of all of these, and this host's own addresses as the kernel lists them.
+  Refused: loopback, link-local, unspecified, the cloud metadata addresses, and this host's
+  own addresses as the kernel lists them; and every IPv6 address that embeds an IPv4 one which
+  a translator, relay or tunnel may deliver to (:func:`embedded_ipv4`: IPv4-mapped,
+  IPv4-compatible, NAT64 64:ff9b::/96 and 64:ff9b:1::/48, 6to4, Teredo, ISATAP) is refused
+  when what it embeds is.
   ``ROUNDHOUSE_URL_ALLOW`` opens host names (matched against the URL's host) and networks.
 - Proxies: none from the environment; ``ROUNDHOUSE_HTTP_PROXY`` when set. A proxy resolves
   the name itself, so through one the URL's host is checked as this machine resolves it.
@@ -73,6 +76,10 @@ DENIED: tuple[tuple[str, str, tuple[IPNetwork, ...]], ...] = (
 )
 OWN_ADDRESS = ("own_address", "this host's own address")
 _IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+_NAT64_WELL_KNOWN = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: prefixes of /48 to /96 inside
+_ISATAP_IDS = (0x00005EFE, 0x02005EFE)  # RFC 5214: the interface id's upper half, any /64
 
 
 class AddressDenied(Exception):
@@ -95,6 +102,43 @@ def plain_address(text: str) -> IPAddress:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped
     return address
+
+
+def _nat64_local(value: int) -> list[int]:
+    """What an address in 64:ff9b:1::/48 embeds under each RFC 6052 prefix length it can have
+    (/48, /56, /64: the suffix after the IPv4 bits is zero; /96: always), bits 64-71 skipped.
+    A zero candidate counts only when no other is left: the zero suffix of a /48 address
+    read as /96 is not a request for 0.0.0.0."""
+    bits = f"{value:0128b}"
+    packed = bits[:64] + bits[72:]  # 120 bits
+    found = [int(packed[n : n + 32], 2) for n in (48, 56, 64) if not packed[n + 32 :].strip("0")]
+    found.append(int(bits[96:], 2))
+    return [ip for ip in found if ip] or [0]
+
+
+def embedded_ipv4(address: IPAddress) -> tuple[ipaddress.IPv4Address, ...]:
+    """Every IPv4 address an IPv6 ``address`` may lead to, through whatever on the path
+    translates or tunnels it (a NAT64 gateway, a 6to4 or Teredo relay, an ISATAP router).
+
+    The forms are matched by prefix whether or not this network runs such a translator: a
+    deny list cannot know what a path holds. Inside 64:ff9b:1::/48 an operator picks the
+    prefix length, so each of RFC 6052's lengths from /48 that fits the address counts.
+    """
+    if not isinstance(address, ipaddress.IPv6Address):
+        return ()
+    value = int(address)
+    found: list[int] = []
+    if address in _IPV4_MAPPED or address in _IPV4_COMPATIBLE or address in _NAT64_WELL_KNOWN:
+        found.append(value & 0xFFFFFFFF)
+    if address in _NAT64_LOCAL:
+        found.extend(_nat64_local(value))
+    if address.sixtofour is not None:
+        found.append(int(address.sixtofour))
+    if address.teredo is not None:
+        found.extend(int(ip) for ip in address.teredo)  # the relay (server) and the client
+    if (value >> 32) & 0xFFFFFFFF in _ISATAP_IDS:
+        found.append(value & 0xFFFFFFFF)
+    return tuple(ipaddress.IPv4Address(ip) for ip in dict.fromkeys(found))
 
 
 def _plain_network(network: IPNetwork) -> IPNetwork:
@@ -239,6 +283,15 @@ class FilePath:
             raise
 
 
+def _denied(ip: IPAddress) -> tuple[str, str] | None:
+    for rule, what, networks in DENIED:
+        if any(ip in network for network in networks):
+            return rule, what
+    if any(ip in network for network in own_networks()):
+        return OWN_ADDRESS
+    return None
+
+
 # ----------------------------------------------------------------------- policy
 
 
@@ -330,11 +383,17 @@ class UrlPolicy:
         ip = plain_address(address)
         if any(ip in network for network in self.allow_networks):
             return None
-        for rule, what, networks in DENIED:
-            if any(ip in network for network in networks):
-                return rule, what
-        if any(ip in network for network in own_networks()):
-            return OWN_ADDRESS
+        refused = _denied(ip)
+        if refused is not None:
+            return refused
+        # An IPv4 address embedded in an IPv6 one is checked as itself, unless it is opened.
+        for inner in embedded_ipv4(ip):
+            if any(inner in network for network in self.allow_networks):
+                continue
+            refused = _denied(inner)
+            if refused is not None:
+                rule, what = refused
+                return rule, f"{what} ({inner}) embedded in an IPv6 address"
         return None
 
     def check(self, host: str, address: str) -> None:

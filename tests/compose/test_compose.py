@@ -81,7 +81,7 @@ def test_flower_answers_behind_its_basic_auth_and_lists_the_worker(stack: Stack)
     while True:
         try:
             refused = requests.get(url, timeout=30)
-            listed = requests.get(url, auth=("ops", "change-me"), timeout=30)
+            listed = requests.get(url, auth=stack.flower_auth, timeout=30)
             if listed.ok and any(name.startswith(f"{WORKER}@") for name in listed.json()):
                 break
         except requests.RequestException:
@@ -90,6 +90,21 @@ def test_flower_answers_behind_its_basic_auth_and_lists_the_worker(stack: Stack)
             pytest.fail(f"Flower never listed {WORKER}:\n{stack.logs('flower')}")
         time.sleep(2)
     assert refused.status_code == 401
+
+
+def private_keys(stack: Stack, service: str) -> list[str]:
+    """The files holding a PEM private key where a container keeps keys and data."""
+    scan = 'grep -rl "PRIVATE KEY" /etc/roundhouse /var/lib/roundhouse; echo scanned'
+    result = stack.compose("exec", "-T", service, "sh", "-c", scan, check=False)
+    found = result.stdout.split()
+    assert found[-1:] == ["scanned"], f"{service}: {result.stdout}{result.stderr}"  # it ran there
+    return sorted(found[:-1])
+
+
+def test_the_worker_and_flower_hold_their_roles_keys_only(stack: Stack) -> None:
+    wait_for_heartbeat(stack)
+    assert private_keys(stack, "worker-cpu") == []  # the trust store and the CA certificate only
+    assert private_keys(stack, "flower") == ["/etc/roundhouse/keys/flower.key"]
 
 
 def test_the_demo_trains_on_the_stack_and_ends_bit_exact(stack: Stack) -> None:

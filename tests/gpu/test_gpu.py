@@ -59,6 +59,18 @@ elif round_num == 5:
         out = placed(torch.randn(4, 8192))
     tiers = sorted({str(v) for v in getattr(placed, "hf_device_map", {}).values()})
     save_report({"tiers": tiers, "out": list(out.shape), "left_gib": torch.cuda.mem_get_info()[0] / 2**30})
+elif round_num == 6:
+    import socket
+    import torch.distributed as dist
+    with socket.socket() as spare:  # a free loopback port for torch.distributed's store
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    summed = torch.ones(4, device="cuda")
+    dist.all_reduce(summed)
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    save_report({"nccl": float(summed.sum()), "interfaces": [name for _, name in socket.if_nameindex()]})
 else:
     save_report({"ok": True})
 """
@@ -97,6 +109,15 @@ def test_cuda_inside_the_sandbox(probes: dict[str, Any], record: Callable[..., N
     )
     if not sandboxed:
         pytest.skip("neither bwrap nor unshare works on this machine: the sandbox part is unverified")
+
+
+def test_nccl_inside_the_sandbox(probes: dict[str, Any], record: Callable[..., None]) -> None:
+    # torch.distributed's store (AF_INET), NCCL's bootstrap (getifaddrs: NETLINK_ROUTE) and its
+    # proxy (AF_UNIX) under the seccomp filter's socket-family rule (docs/SECURITY.md).
+    result = round_of(probes, 6)
+    assert result["status"] == "completed", result
+    assert result["report"]["nccl"] == 4.0 and "lo" in result["report"]["interfaces"], result
+    record("NCCL inside the sandbox (socket-family rule)", "pass", sandbox=probes["sandbox"])
 
 
 @pytest.mark.parametrize("which", ["timm", "hf"])

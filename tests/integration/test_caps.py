@@ -139,7 +139,7 @@ def _ready(ex: Executor, server: FaultServer) -> None:
 
 def test_an_endless_model_body_is_refused_at_the_cap(capped: Any, streamer: _Streamer) -> None:
     server, _root, settings = capped
-    streamer.bodies["endless.pt"] = _endless(b"\x80\x02")  # a pickle's first bytes, then zeros
+    streamer.bodies["endless.pt"] = _endless(b"PK\x03\x04")  # a zip's first bytes, then zeros
     ex = Executor(lambda _s: None, lambda _l: None, settings=settings)
     try:
         with pytest.raises(RoundhouseError) as refused:
@@ -187,17 +187,19 @@ def test_a_safetensors_head_is_refused_before_its_data(
 def test_the_head_check_alone() -> None:
     size, check = model_head(".safetensors", 64 * MIB)
     assert size >= 64 * 1024
-    check(_promising_header(MIB) + bytes(100))  # within the cap
+    head = _promising_header(MIB)
+    assert check(head + bytes(100)) == len(head) + MIB  # within the cap: the body's new cap
     with pytest.raises(BadArtifact, match="promises"):
         check(_promising_header(64 * MIB + 4))
-    for other in (b"PK\x03\x04" + bytes(100), b"\x80\x02" + bytes(100)):
-        check(other)  # a zip or a pickle: checked whole once downloaded
+    assert check(b"PK\x03\x04" + bytes(100)) is None  # a zip: checked whole once downloaded
+    with pytest.raises(BadArtifact, match="legacy format"):
+        check(b"\x80\x02" + bytes(100))  # the legacy bare pickle: refused from its first bytes
     with pytest.raises(BadArtifact, match="safetensors header"):
         check(bytes(100))
     model_head(".pt", 64 * MIB)[1](bytes(100))  # unknown bytes under another name: checked later
     # A header longer than the head is checked for its length alone.
     long = struct.pack("<Q", 2 * size) + b"{" + bytes(size)
-    check(long)
+    assert check(long) is None
     with pytest.raises(BadArtifact, match="promises"):
         model_head(".safetensors", size)[1](long)
     with pytest.raises(BadArtifact, match="not valid JSON"):

@@ -10,17 +10,21 @@ half-written, and the worker serves the next task. The policy's own rules are te
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import zstandard
 from safetensors.torch import save_file
 
-from executor.delta import state_hash
+from executor.delta import max_delta_bytes, state_hash
 from orchestrator.artifacts import ArtifactServer
 from settings import Settings
 from tasks.client import RoundClient
@@ -232,6 +236,96 @@ def test_an_endless_model_body_is_refused_at_the_cap(worker, served, client) -> 
     assert str(MODEL_CAP_MB << 20) in json.dumps(details) or "cap" in message, (message, details)
     assert not work_files(worker), work_files(worker)
     server.clear_faults()
+    ready(client, served)
+
+
+def _reset_peak_rss(pid: int) -> None:
+    # Writing 5 to clear_refs resets VmHWM: the next peak is this test's alone.
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+# torch.save's legacy format opens with this pickle (its magic number), then pickles a protocol number.
+LEGACY_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+
+
+def _sets(count: int) -> bytes:
+    """A pickle of ``count`` EMPTY_SET opcodes: a byte each, a 216-byte set each once unpickled."""
+    return b"\x80\x02" + b"\x8f" * count + b"}."
+
+
+def _torch_zip(pickled: bytes) -> bytes:
+    """A real torch.save zip (one tensor) with ``pickled`` as its data.pkl, members stored."""
+    plain = io.BytesIO()
+    torch.save({"w": torch.zeros(1)}, plain)
+    out = io.BytesIO()
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as sink:
+        for info in source.infolist():
+            sink.writestr(
+                info.filename, pickled if info.filename.endswith("/data.pkl") else source.read(info)
+            )
+    return out.getvalue()
+
+
+def test_a_pickle_that_builds_objects_from_nothing_is_refused_unbuilt(worker, served, client) -> None:  # type: ignore[no-untyped-def]
+    """Issue 25 item 2: weights_only bounds a pickle's bytes, not the objects it builds. A sync
+    delta (legacy prefix, or a zip) and a .pt model full of EMPTY_SET are refused before
+    torch.load, and the worker's child does not grow (each was 216x its bytes before)."""
+    server, root, descriptors = served
+    loaded = ready(client, served)
+    sets = max_delta_bytes(mlp_state()) - 8192  # within the delta's decode cap for this model
+    zstd = zstandard.ZstdCompressor(level=3)
+    (root / "legacy-sets.zst").write_bytes(zstd.compress(LEGACY_MAGIC + _sets(sets)))
+    (root / "zip-sets.zst").write_bytes(zstd.compress(_torch_zip(_sets(sets))))
+    child = worker.child_pid()
+    for name, reason in (("legacy-sets.zst", "legacy format"), ("zip-sets.zst", "budget")):
+        _reset_peak_rss(child)
+        before = _peak_rss_mb(child)
+        applied = client.apply_delta(
+            HOST,
+            server.url("other.safetensors"),
+            delta_url=server.url(name),
+            base_hash=loaded["model_hash"],
+            result_hash=state_hash(mlp_state(1)),
+        ).get(timeout=120)
+        assert _peak_rss_mb(child) - before < 48, (name, _peak_rss_mb(child) - before)
+        assert applied["via"] == "full" and reason in applied.get("fallback_reason", ""), (name, applied)
+        ready(client, served)
+    big = (MODEL_CAP_MB << 20) - (1 << 20)  # a model within the byte cap: 7 MiB of sets
+    (root / "legacy-sets.pt").write_bytes(LEGACY_MAGIC + _sets(big))
+    (root / "zip-sets.pt").write_bytes(_torch_zip(_sets(big)))
+    for name, reason in (("legacy-sets.pt", "legacy format"), ("zip-sets.pt", "budget")):
+        _reset_peak_rss(child)
+        before = _peak_rss_mb(child)
+        kind, message, details = refusal(
+            client, client.load_model(HOST, server.url(name), descriptors, "pass")
+        )
+        assert _peak_rss_mb(child) - before < 48, (name, _peak_rss_mb(child) - before)
+        assert details["code"] == "bad_artifact" and reason in message, (name, kind, message)
+        assert worker.child_pid() == child and not work_files(worker)
+    ready(client, served)
+
+
+def test_a_safetensors_body_is_cut_at_what_its_header_promises(worker, served, client) -> None:  # type: ignore[no-untyped-def]
+    """Issue 25 item 5: once a safetensors header is parsed, the body is capped at what it
+    promises (header and data), not at ROUNDHOUSE_MAX_MODEL_MB: a body of unknown length is
+    cut as soon as it runs past, and an announced length over the promise is refused at once."""
+    server, root, descriptors = served
+    raw = json.dumps({"w": {"dtype": "U8", "shape": [135], "data_offsets": [0, 135]}}).encode()
+    raw += b" " * (-len(raw) % 8)
+    promised = 8 + len(raw) + 135
+    with open(root / "promise.safetensors", "wb") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        out.truncate(6 << 20)  # under the model cap (8 MiB): nothing else would stop it
+    for fault in ("chunked", None):
+        if fault is not None:
+            server.add_fault("promise.safetensors", fault, times=-1)
+        kind, message, details = refusal(
+            client, client.load_model(HOST, server.url("promise.safetensors"), descriptors, "pass")
+        )
+        assert details["code"] == "download_failed" and details["cap"] == promised, (fault, kind, details)
+        assert "promises" in message, message
+        assert not work_files(worker), work_files(worker)
+        server.clear_faults()
     ready(client, served)
 
 

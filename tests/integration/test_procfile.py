@@ -1,5 +1,7 @@
 """The Procfile, run for real under honcho: embedded Redis over TLS, a worker, Flower, all on
-the signed control plane of its development keys (made when missing); a round through it."""
+the signed control plane of its development keys (made when missing); a round through it.
+Each process holds its role's keys only: Flower's own pair commands the worker (inspect) but
+a task sent from Flower's API is refused."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tests.support.redis_server import free_port
 from tests.support.worker import REPO
 
 pytestmark = pytest.mark.timeout(300)
+FLOWER_PASSWORD = "procfile-flower-password"
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -63,7 +66,7 @@ def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
         "ROUNDHOUSE_WORK_DIR": str(tmp_path / "work"),
         "ROUNDHOUSE_CACHE_DIR": str(tmp_path / "cache"),
         "ROUNDHOUSE_HEARTBEAT_INTERVAL_S": "0.5",
-        "FLOWER_BASIC_AUTH": "ops:secret",
+        "FLOWER_BASIC_AUTH": f"ops:{FLOWER_PASSWORD}",
     }
     log = open(tmp_path / "honcho.log", "wb")  # noqa: SIM115 - closed below
     honcho = subprocess.Popen(
@@ -116,11 +119,28 @@ def test_procfile_under_honcho_runs_a_round(tmp_path: Path) -> None:
         api = f"http://127.0.0.1:{flower_port}/api/workers?refresh=1"
         wait_for(
             lambda: any(
-                n.startswith("procfile@") for n in requests.get(api, auth=("ops", "secret"), timeout=5).json()
+                n.startswith("procfile@")
+                for n in requests.get(api, auth=("ops", FLOWER_PASSWORD), timeout=5).json()
             ),
             60,
             "Flower does not list the worker",
-        )
+        )  # inspect, signed with Flower's own key: obeyed (control commands only)
+        # A task from Flower's API is signed with that key too: the worker refuses it.
+        sent = requests.post(
+            f"http://127.0.0.1:{flower_port}/api/task/send-task/roundhouse.load_model",
+            json={"kwargs": {"model_url": "http://127.0.0.1:1/m", "dataset_shards": [], "code": "pass"},
+                  "queue": "roundhouse.procfile"},
+            auth=("ops", FLOWER_PASSWORD), timeout=30,
+        )  # fmt: skip
+        assert sent.ok, sent.text
+        task_id = sent.json()["task-id"]
+        from_flower = [
+            (e.data["reason"], e.data["name"])
+            for e in client.events("procfile", idle_timeout_s=5)
+            if e.data.get("event") == "refused" and e.task_id == task_id
+        ]
+        assert from_flower == [("untrusted_signer", "roundhouse.load_model")], from_flower
+        assert not (keys.role("worker") / "flower.key").exists() and keys.flower_key.is_file()
     finally:
         os.killpg(honcho.pid, signal.SIGTERM)
         try:

@@ -525,3 +525,135 @@ def test_a_round_end_costs_a_few_milliseconds(confined: Confinement, launch: Lau
         f"{confined.kind}: thaw+freeze+kill median {costs[10] * 1e3:.2f} ms, worst {costs[-1] * 1e3:.2f} ms"
     )
     assert costs[10] < 0.05  # the whole sandbox's per-round budget; expected: a few ms
+
+
+# ---------------------------------------------------------------- issue 25: the lifecycle
+
+# A runner whose round left strays: after "go" one thread writes without end (to argv[1]) and
+# another forks children that hold 2 MiB each and sleep — 40 of them, each a moment to die.
+LEAVES_STRAYS = """
+import os, sys, threading, time
+out = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+print("ready", flush=True)
+sys.stdin.readline()
+def write():
+    while True:
+        os.write(out, b"x" * 4096)
+def fork():
+    for _ in range(40):
+        if os.fork() == 0:
+            held = bytearray(b"x") * (2 << 20)
+            time.sleep(3600)
+        time.sleep(0.005)
+threading.Thread(target=write, daemon=True).start()
+threading.Thread(target=fork, daemon=True).start()
+time.sleep(3600)
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("confined", ALL_KINDS, indirect=True)
+def test_the_runner_runs_nothing_while_a_round_ends(
+    confined: Confinement, launch: Launcher, tmp_path: Path
+) -> None:
+    # Issue 25 item 8: under the v1 freezer the strays' kill thawed the whole sandbox until they
+    # were gone, the runner included, with no watchdog (tens of MiB written after "complete").
+    written = tmp_path / "written"
+    process = launch.python(confined, LEAVES_STRAYS, str(written))
+    keep = confined.pids()  # at "ready": what is here now is the sandbox
+    assert process.stdin is not None
+    process.stdin.write(b"go\n")
+    process.stdin.flush()
+    deadline = time.monotonic() + 20
+    while len(confined.pids() - keep) < 40 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(confined.pids() - keep) >= 40 and size(written) > 0, "the round did not run"
+    confined.freeze()  # the round ended
+    at_end = size(written)
+    killed = [confined.kill(keep) for _ in range(4)]  # the supervisor's passes
+    assert killed[0] >= 40 and killed[1:] == [0, 0, 0], killed
+    time.sleep(0.2)
+    assert size(written) == at_end, f"the runner wrote {size(written) - at_end} bytes after its round"
+    assert confined.pids() == keep
+    confined.thaw()  # the next round: the runner is not left stopped
+    deadline = time.monotonic() + 10
+    while size(written) == at_end and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert size(written) > at_end and process.poll() is None, "the runner did not resume"
+
+
+# A worker's sandbox made in a pid namespace of its own, where its pid is argv[1] (no process of
+# the test's namespace has it): it prints its group, then holds it until stdin closes.
+OTHER_NAMESPACE = """
+import os, subprocess, sys, uuid
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(int(sys.argv[1]) - 1))
+if os.fork():
+    os.wait()
+    sys.exit(0)
+from executor.sandbox._cgroup import confine
+c = confine(f"other-host-runner-{os.getpid()}-{uuid.uuid4().hex[:8]}", memory_bytes=64 << 20,
+            max_procs=64, prefer=sys.argv[2], host_id="other-host")
+sleeper = subprocess.Popen([*c.launch_prefix(), "/bin/sleep", "3600"])
+print(c.groups[0], flush=True)
+sys.stdin.readline()
+c.close()
+"""
+
+
+def _unused_pid() -> int:
+    return next(pid for pid in range(30000, 32000) if not os.path.exists(f"/proc/{pid}"))
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["cgroup2", "cgroup1"])
+def test_a_sandbox_of_another_pid_namespace_is_never_reclaimed_by_its_pid(kind: str, tmp_path: Path) -> None:
+    # Issue 25 item 15: workers in different pid namespaces share the cgroup tree; the owner's
+    # pid alone, absent here, once made another worker's cleanup end this live sandbox.
+    make(kind, f"test-{os.getpid()}-probe").close()  # skips where the kind is not here
+    argv = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", OTHER_NAMESPACE]
+    other = subprocess.Popen(
+        [*argv, str(_unused_pid()), kind], cwd=Path(__file__).parents[2], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )  # fmt: skip
+    try:
+        assert other.stdout is not None and other.stdin is not None
+        group = other.stdout.readline().decode().strip()
+        assert os.path.isdir(group), group
+        deadline = time.monotonic() + 10
+        while not (held := read_procs(group)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert held, "the other worker's sandbox is empty"
+        mine = make(kind, f"test-{os.getpid()}-reclaims")  # reclaims what dead workers left
+        mine.close()
+        cg.reclaim("a-third-host")  # a worker of another host id starting
+        assert os.path.isdir(group) and read_procs(group) == held, "a live sandbox was reclaimed"
+        cg.reclaim("other-host")  # a worker of its own host id starting: the old one is gone
+        assert not os.path.exists(group)
+    finally:
+        if other.stdin is not None:
+            other.stdin.close()
+        other.wait(timeout=30)
+
+
+def read_procs(group: str) -> set[int]:
+    return {int(pid) for pid in Path(group, "cgroup.procs").read_text().split()}
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["cgroup2", "cgroup1"])
+def test_a_group_is_reclaimed_only_when_its_owner_is_provably_gone(kind: str) -> None:
+    c = make(kind, f"test-{os.getpid()}-owner")
+    try:
+        assert isinstance(c, cg._Cgroup)
+        parent = os.path.dirname(c.groups[0])
+        label, tag = os.path.basename(c.groups[0]).rsplit(".", 1)
+        host, ns, pid, start = tag.split("-")
+        assert (int(ns), int(pid)) == (os.stat("/proc/self/ns/pid").st_ino, os.getpid())
+        # The same pid, another start time: the pid was reused, its owner is gone.
+        reused = os.path.join(parent, f"{label}-reused.{host}-{ns}-{pid}-{int(start) + 1}")
+        os.mkdir(reused)
+        make(kind, f"test-{os.getpid()}-other").close()
+        assert not os.path.exists(reused) and os.path.isdir(c.groups[0])  # this one's owner lives
+    finally:
+        c.close()

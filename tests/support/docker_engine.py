@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -105,12 +106,16 @@ class Stack:
         self.engine = engine
         self.name = name
         self.flower_port = free_port()
+        # The stack's secrets have no default (docker-compose.yml): a run of its own.
+        self.flower_auth = ("ops", secrets.token_urlsafe(16))
         self.env = {
             **engine.env,
             "BASE_IMAGE": BASE_IMAGE,
             "MINIO_PORT": str(free_port()),
             "MINIO_CONSOLE_PORT": str(free_port()),
+            "MINIO_ROOT_PASSWORD": secrets.token_urlsafe(16),
             "FLOWER_PORT": str(self.flower_port),
+            "FLOWER_BASIC_AUTH": ":".join(self.flower_auth),
         }
 
     def compose(

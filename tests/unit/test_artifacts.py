@@ -114,11 +114,10 @@ def test_safetensors_is_moved_into_place(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin"])
-@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
-def test_torch_checkpoints_become_safetensors(tmp_path: Path, suffix: str, zip_format: bool) -> None:
+def test_torch_checkpoints_become_safetensors(tmp_path: Path, suffix: str) -> None:
     src = tmp_path / f"download{suffix}"
     state = tiny_state()
-    torch.save(state, str(src), _use_new_zipfile_serialization=zip_format)
+    torch.save(state, str(src))
     artifact = prepare(src, tmp_path / "work")
     assert (artifact.source_format, artifact.keys) == ("torch", len(state))
     assert not src.exists()
@@ -181,6 +180,40 @@ def test_compressed_torch_zip_is_rejected(tmp_path: Path, existing: Path) -> Non
         for info in source.infolist():
             sink.writestr(info.filename, source.read(info))
     expect_bad(squeezed, existing, "compressed")
+
+
+def with_pickle(plain: Path, target: Path, pickled: bytes) -> Path:
+    """``plain`` (a torch.save zip) with its data.pkl replaced by ``pickled``, members stored."""
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as sink:
+        for info in source.infolist():
+            sink.writestr(
+                info.filename, pickled if info.filename.endswith("/data.pkl") else source.read(info)
+            )
+    return target
+
+
+def test_a_legacy_torch_checkpoint_is_refused(tmp_path: Path, existing: Path) -> None:
+    src = tmp_path / "legacy.pt"
+    torch.save(tiny_state(), str(src), _use_new_zipfile_serialization=False)
+    expect_bad(src, existing, "legacy format")
+    with pytest.raises(BadArtifact, match="legacy format"):
+        load_state_file(str(src))  # user code's load_model too
+
+
+def test_a_torch_pickle_is_held_to_its_storages_before_it_is_loaded(tmp_path: Path, existing: Path) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save(tiny_state(), str(plain))
+    # A set a state dict never needs: one byte each, 216 bytes of memory each once unpickled.
+    sets = with_pickle(plain, tmp_path / "sets.pt", b"\x80\x02" + b"\x8f" * 1000 + b"}.")
+    expect_bad(sets, existing, "opcode EMPTY_SET")
+    # Opcodes a state dict may use, but far more of them than six storages need.
+    lists = with_pickle(plain, tmp_path / "lists.pt", b"\x80\x02" + b"]0" * 6000 + b"}.")
+    expect_bad(lists, existing, "over its budget for 70 tensors")
+    # Tensors sharing storages (views) within the budget still load.
+    shared = torch.randn(4, 4)
+    views = {f"v{i}": shared[i % 4] for i in range(40)}
+    torch.save(views, str(tmp_path / "views.pt"))
+    assert prepare(tmp_path / "views.pt", tmp_path / "ok").keys == 40
 
 
 # --- Hugging Face bundles ----------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +150,38 @@ def test_apply_accepts_out_of_order_and_seed_format_deltas(tmp_path: Path) -> No
         apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
         assert D.file_state_hash(str(model)) == sync.result_hash
         assert D.state_hash(D.read_delta(str(delta_file))) == D.state_hash(sync.delta)
+
+
+def test_a_seed_format_deltas_pickle_is_held_to_the_models_floating_keys(tmp_path: Path) -> None:
+    """The seed's torch format is a pickle: its objects, not only its bytes, are bounded by the
+    model (one tensor per floating key) before torch.load builds any of them."""
+    base = sample_state()
+    floating = sum(1 for v in base.values() if v.is_floating_point())
+    sync = D.make_sync_delta(
+        base, {k: v.float() + 1 if v.is_floating_point() else v for k, v in base.items()}
+    )
+    plain = io.BytesIO()
+    torch.save(sync.delta, plain)
+    # The same zip, its pickle a run of NONE opcodes under an empty dict (torch would load it):
+    # within its own storages' budget, over what this model's floating keys allow.
+    pickled = b"\x80\x02" + b"N" * (64 * floating + 4096) + b"}."
+    out = io.BytesIO()
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as sink:
+        for info in source.infolist():
+            sink.writestr(
+                info.filename, pickled if info.filename.endswith("/data.pkl") else source.read(info)
+            )
+    model, delta_file = tmp_path / "m.safetensors", tmp_path / "d.zst"
+    delta_file.write_bytes(zstandard.ZstdCompressor().compress(out.getvalue()))
+    write_model(model, base)
+    before = model.read_bytes()
+    with pytest.raises(BadArtifact, match=f"over its budget for {floating} tensors"):
+        apply_sync_delta(str(model), str(delta_file), base_hash=sync.base_hash, result_hash=sync.result_hash)
+    assert model.read_bytes() == before
+    with pytest.raises(BadArtifact, match="over its budget"):
+        D.read_delta(str(delta_file), max_tensors=D.max_delta_tensors(base))
+    with pytest.raises(BadArtifact, match="torch format"):
+        D.read_delta(str(delta_file), allow_torch=False)
 
 
 def test_known_base_hash_skips_rehash_but_result_is_still_proven(tmp_path: Path) -> None:
@@ -421,8 +454,10 @@ def test_bombs_are_refused_within_bounded_memory(tmp_path: Path, bombs: dict[str
         assert intact, case
     recorded = [m for c, (_, m, _, _) in results.items() if "content_size" in c and "no_content" not in c]
     assert all("frame records" in m for m in recorded), recorded  # refused before decoding
-    spooled = [m for c, (_, m, _, _) in results.items() if "torch" in c]
+    spooled = [m for c, (_, m, _, _) in results.items() if "torch_zip" in c]
     assert all("cap" in m for m in spooled), spooled  # decoded up to the cap, then refused
+    legacy = [m for c, (_, m, _, _) in results.items() if "legacy" in c]
+    assert legacy and all("legacy format" in m for m in legacy), legacy  # refused from its first bytes
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors", "warm.zst"]  # no spool file left
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from settings import Settings
 from tasks.client import RoundClient
-from tasks.events import EventPublisher
-from tasks.names import stream_name
+from tasks.events import Event, EventPublisher
+from tasks.names import seq_key, stream_account_keys, stream_name
 from tests.support.redis_server import RedisServer
 
 
@@ -111,4 +111,82 @@ def test_a_live_subscriber_survives_a_redis_restart(redis_server: RedisServer) -
     publisher.flush(20)
     follower.join(20)
     assert seen == list(range(20))
+    publisher.close()
+
+
+def stream_bytes(server: RedisServer, host: str) -> tuple[int, int]:
+    """(entries, bytes of their messages) the host's stream holds, read from the stream itself."""
+    entries = server.client().xrange(stream_name(host))
+    return len(entries), sum(len(fields[b"msg"]) for _id, fields in entries)
+
+
+def test_the_stream_is_bounded_in_bytes_and_kept_exactly(redis_server: RedisServer) -> None:
+    """DESIGN §5: bounded in bytes as well as entries. 8 MiB of 64 KiB stats (a tenant's full
+    message size) into a stream of 1 MiB: the newest ~15 are kept, contiguous, and no more."""
+    publisher = EventPublisher(redis_server.url, "hb", stream_max_bytes=1 << 20)
+    blob = "x" * (64 * 1024 - 100)
+    for i in range(128):
+        publisher.emit("stats", {"i": i, "blob": blob})
+    assert publisher.flush(30)
+    count, held = stream_bytes(redis_server, "hb")
+    assert held <= 1 << 20 and held > (1 << 20) - 70_000, held  # full, never over
+    events = list(client_for(redis_server).events("hb", idle_timeout_s=0.3))
+    assert [e.data["i"] for e in events] == list(range(128 - count, 128))
+    # The account beside the stream agrees with what the stream holds.
+    _sizes, totals = stream_account_keys("hb")
+    assert redis_server.client().get(totals) == f"{count} {held}".encode()
+    # Many small ones: the entry bound still holds, exactly.
+    small = EventPublisher(redis_server.url, "hb", stream_maxlen=50)
+    for i in range(200):
+        small.emit("stats", {"i": i})
+    assert small.flush(30)
+    assert stream_bytes(redis_server, "hb")[0] == 50
+    for each in (publisher, small):
+        each.close()
+
+
+def test_every_event_is_capped_where_it_is_published(redis_server: RedisServer) -> None:
+    """Whoever supplied an event's content: a refusal's 1 MiB detail, task id and name, a
+    tenant's deep data, a million keys; each goes out within the cap, still saying what it is."""
+    publisher = EventPublisher(redis_server.url, "hc", event_max_bytes=8192)
+    huge = "c" * (1 << 20)
+    publisher.emit(
+        "state",
+        {"event": "refused", "kind": "task", "reason": "unsigned", "detail": f"content type {huge!r}"},
+        task_id=huge,
+        task=huge,
+    )
+    publisher.emit("stats", {"nested": {"deep": [huge, huge]}, "step": 3})
+    publisher.emit("stats", {str(i): i for i in range(100_000)})
+    publisher.emit("log", {"text": "\u2603" * 100_000})  # escaped: 6 bytes a character
+    publisher.emit("log", {"text": "small"})
+    assert publisher.flush(20)
+    raw = [fields[b"msg"] for _id, fields in redis_server.client().xrange(stream_name("hc"))]
+    assert len(raw) == 5 and all(len(message) <= 8192 for message in raw), [len(m) for m in raw]
+    refused, nested, many, snowmen, small = (Event.from_json(message) for message in raw)
+    assert refused.data["event"] == "refused" and refused.data["reason"] == "unsigned"
+    assert refused.data["truncated"] > 1 << 20 and refused.data["detail"].startswith("content type 'ccc")
+    assert refused.task_id is not None and len(refused.task_id) < 300
+    assert nested.data["step"] == 3 and nested.data["truncated"] > 2 << 20
+    assert many.data["truncated"] > 100_000 and len(many.data) <= 33
+    assert snowmen.data["truncated"] > 600_000 and snowmen.type == "log"
+    assert small.data == {"text": "small"}, "an event within the cap goes out as it is"
+    publisher.close()
+
+
+def test_a_cut_leaves_no_replay_and_the_stream_expires(redis_server: RedisServer) -> None:
+    publisher = EventPublisher(redis_server.url, "hd", stream_ttl_s=60)
+    for i in range(20):
+        publisher.emit("stats", {"tenant": "a", "i": i})
+    publisher.cut()
+    publisher.emit("state", {"event": "task-finished"})
+    publisher.emit("stats", {"tenant": "b"})
+    assert publisher.flush(10)
+    replay = list(client_for(redis_server).events("hd", idle_timeout_s=0.3))
+    assert [e.data for e in replay] == [{"event": "task-finished"}, {"tenant": "b"}]
+    assert [e.seq for e in replay] == [21, 22], "the seq goes on across the cut"
+    client = redis_server.client()
+    for key in (stream_name("hd"), *stream_account_keys("hd")):
+        assert 0 < client.ttl(key) <= 60, key
+    assert client.ttl(seq_key("hd")) == -1, "the seq outlives the stream: it never goes back"
     publisher.close()

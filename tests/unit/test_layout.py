@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("executor", "tasks", "orchestrator", "settings")
 CALLERS = ("bench", "scripts", "tests")  # import the project, are imported by nothing in it
 
-GROUND_FLOOR = ("errors", "results", "fileio", "stopping", "tensorfile")
+GROUND_FLOOR = ("errors", "results", "fileio", "stopping", "tensorfile", "torchzip")
 PACKAGES = ("transfer", "delta", "shards", "artifacts", "rounds", "sandbox")
 
 # Where each part of the engine stands: a module imports only parts of a lower rank (or its own).
@@ -24,6 +24,7 @@ RANKS = {
     "executor.results": 1,
     "executor.stopping": 1,
     "executor.tensorfile": 1,
+    "executor.torchzip": 1,
     "executor.placement": 2,
     "executor.preprocess": 2,
     "executor.transfer": 3,
@@ -54,6 +55,11 @@ WHITE_BOX = {
     ("tests.sandbox.test_cgroup", "executor.sandbox._cgroup"),
     # The runner's message for a result over the file bound (a real 1 GiB+ result is too heavy here).
     ("tests.unit.test_runner_result", "executor.sandbox._runner"),
+    # A watchdog that breaks (its quota walk raising) must end the sandbox: the break is injected.
+    ("tests.sandbox.test_deep_tree", "executor.sandbox._supervisor"),
+    ("tests.unit.test_trees", "executor.sandbox._result"),  # the watchdog's quota walk, alone
+    # The seccomp programs of both architectures, run by hand; their numbers against libseccomp's.
+    ("tests.sandbox.test_seccomp", "executor.sandbox._seccomp"),
 }
 
 

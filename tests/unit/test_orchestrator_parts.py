@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 import json
 import os
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+import zstandard
 
 from executor import transfer
 from executor.delta import state_hash, write_delta
@@ -190,6 +192,33 @@ def test_the_folder_fetches_in_parallel_holds_at_most_its_bound_and_sorts_out_ba
     mean, naive = folder.mean.mean(), mean_delta(deltas)
     for key in naive:  # folded in arrival order: equal up to the order of the additions
         assert torch.allclose(mean[key], naive[key], rtol=0, atol=1e-6)
+
+
+def test_an_uploaded_delta_is_refused_before_decoding_when_it_is_pickle_or_too_large(
+    store: ArtifactServer, tmp_path: Path
+) -> None:
+    """Issue 25 item 2: the orchestrator decodes what anyone holding a PUT URL uploaded. The
+    seed's pickle format (a worker never writes it) and a file larger than any delta of the
+    model compresses to are refused unread; a PUT over the store's cap is refused unread."""
+    plain = io.BytesIO()
+    torch.save({"w": torch.zeros(64, 32)}, plain)
+    (tmp_path / "pickled.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.getvalue()))
+    store.publish("deltas/pickled", tmp_path / "pickled.zst")
+    (tmp_path / "huge.zst").write_bytes(os.urandom(2 << 20))  # a delta of MODEL takes 1.2 MB at most
+    store.publish("deltas/huge", tmp_path / "huge.zst")
+    folder = DeltaFolder(store, str(tmp_path / "scratch"), MODEL)
+    folder.submit("pickled", "deltas/pickled", state_hash({"w": torch.zeros(64, 32)}))
+    folder.submit("huge", "deltas/huge", "sha256:00")
+    results = folder.results()
+    folder.close()
+    assert "torch format" in (results["pickled"].error or ""), results["pickled"]
+    assert "over the cap" in (results["huge"].error or ""), results["huge"]
+    store.max_put_bytes = 1 << 20
+    put = store.url_put("deltas/put")
+    assert requests.put(put, data=bytes(1 << 20), timeout=10).status_code == 201
+    with contextlib.suppress(requests.ConnectionError):  # the server may close before the body is sent
+        assert requests.put(put, data=bytes((1 << 20) + 1), timeout=10).status_code == 413
+    assert store.path("deltas/put").stat().st_size == 1 << 20
 
 
 # ---------------------------------------------------------------- checkpoints

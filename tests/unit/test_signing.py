@@ -18,10 +18,12 @@ from celery.security.key import PrivateKey
 from celery.security.serialization import SecureSerializer
 
 from settings import Settings, celery_config
+from tasks import replay
 from tasks.acl import acl_file
 from tasks.embedded_redis import tls_binary
-from tasks.gate import ReplayStore, is_loopback, startup_problem
+from tasks.gate import is_loopback, startup_problem
 from tasks.keys import DevKeys, init_keys
+from tasks.replay import LEDGER_NAME, NonceLedger, ReplayStore
 from tasks.signing import SEP, Refused, Signer, TaskEnvelope, Verifier, check_task, check_times
 from tests.conftest import SESSION_KEYS
 from tests.support.redis_server import RedisServer
@@ -107,28 +109,82 @@ def test_a_good_envelope_passes_and_clock_skew_is_tolerated() -> None:
     check_times(now + 30, now + 630, max_age_s=600, now=now)  # a signer's clock 30 s ahead
 
 
+N1, N2, N3, C1 = "a1" * 8, "a2" * 8, "a3" * 8, "c1" * 8
+
+
 def test_the_replay_store_counts_deliveries_and_refuses_what_finished(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis").start()
+    ledger = str(tmp_path / "replay")
     try:
-        store = ReplayStore(server.client(), "h1")
-        assert store.admit("n1", 60) == 1 and store.admit("n1", 60) == 2  # a redelivery
-        store.done("n1", 60)
+        store = ReplayStore(server.client(), "h1", NonceLedger(ledger))
+        assert store.admit(N1, 60) == 1 and store.admit(N1, 60) == 2  # a redelivery
+        store.done(N1, 60)
         with pytest.raises(Refused, match="replay"):
-            store.admit("n1", 60)
-        assert store.admit("c1", 60, once=True) == 1
+            store.admit(N1, 60)
+        assert store.admit(C1, 60, once=True) == 1
         with pytest.raises(Refused, match="replay"):
-            store.admit("c1", 60, once=True)
-        assert 0 < server.client().ttl("roundhouse:nonce:h1:n1") <= 60
-        # A new process (a restarted worker) remembers through Redis ...
+            store.admit(C1, 60, once=True)
+        assert 0 < server.client().ttl(f"roundhouse:nonce:h1:{N1}") <= 60
+        # A new process (a restarted worker) remembers through Redis, when its disk lost the ledger ...
         with pytest.raises(Refused):
-            ReplayStore(server.client(), "h1").admit("n1", 60)
-        # ... and with Redis away, this process still remembers through its own memory.
+            ReplayStore(server.client(), "h1", NonceLedger(str(tmp_path / "other"))).admit(N1, 60)
+        # ... and with Redis away, this process still remembers through its ledger.
         server.kill()
         with pytest.raises(Refused):
-            store.admit("n1", 60)
-        assert store.admit("n2", 60) == 1
+            store.admit(N1, 60)
+        assert store.admit(N2, 60) == 1
     finally:
         server.kill()
+
+
+def test_the_ledger_is_the_authority_and_the_gate_fails_closed(tmp_path: Path) -> None:
+    """Redis's record deleted (a hostile broker, a restart that lost writes): the worker's own
+    ledger still refuses a finished message, across a restart; neither store writable: refused."""
+    server = RedisServer(tmp_path / "redis").start()
+    directory = tmp_path / "replay"
+    try:
+        store = ReplayStore(server.client(), "h1", NonceLedger(str(directory)))
+        store.admit(N1, 60)
+        store.done(N1, 60)
+        assert store.admit(N2, 60) == 1
+        with open(directory / LEDGER_NAME, "ab") as torn:
+            torn.write(b"a3a3a3a3a3a3a3a3 d 99")  # a crash mid-line: no newline
+        server.client().delete(f"roundhouse:nonce:h1:{N1}", f"roundhouse:nonce:h1:{N2}")
+        restarted = ReplayStore(server.client(), "h1", NonceLedger(str(directory)))
+        with pytest.raises(Refused, match="replay"):
+            restarted.admit(N1, 60)
+        assert restarted.admit(N2, 60) == 2, "the delivery count survives on disk"
+        assert restarted.admit(N3, 60) == 1  # the torn line was dropped, not misread
+        server.client().set(f"roundhouse:nonce:h1:{C1}", "d")  # Redis can only make it stricter
+        with pytest.raises(Refused, match="replay"):
+            restarted.admit(C1, 60)
+        # Neither store can be written: nothing is admitted.
+        (directory / LEDGER_NAME).unlink()
+        (directory / LEDGER_NAME).mkdir()
+        server.kill()
+        with pytest.raises(Refused) as refused:
+            restarted.admit("b1" * 8, 60)
+        assert refused.value.reason == "replay_store"
+        with pytest.raises(Refused, match="replay"):
+            restarted.admit(N1, 60)  # and what finished is still remembered
+    finally:
+        server.kill()
+
+
+def test_the_ledger_forgets_expired_nonces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replay, "COMPACT_MIN_LINES", 4)  # rewritten while running, not only at start
+    ledger = NonceLedger(str(tmp_path / "replay"))
+    for count in range(1, 20):
+        ledger.put(N3, str(count), time.time() + 60)
+    assert len((tmp_path / "replay" / LEDGER_NAME).read_text().splitlines()) <= 5
+    assert NonceLedger(str(tmp_path / "replay")).get(N3) == "19"
+    ledger.put(N1, "d", time.time() - 1)
+    ledger.put(N2, "d", time.time() + 60)
+    assert ledger.get(N1) is None and ledger.get(N2) == "d"
+    again = NonceLedger(str(tmp_path / "replay"))
+    assert len(again) == 2 and again.get(N3) == "19"
+    assert N1 not in (tmp_path / "replay" / LEDGER_NAME).read_text(), "an expired record was kept"
+    assert (tmp_path / "replay").stat().st_mode & 0o777 == 0o700
 
 
 def test_an_unsigned_worker_starts_only_on_loopback_or_when_told() -> None:

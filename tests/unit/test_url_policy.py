@@ -140,6 +140,26 @@ def out(tmp_path: Path) -> Path:
         ("::ffff:127.0.0.1", "loopback"),
         ("::ffff:169.254.169.254", "cloud_metadata"),
         ("::ffff:0.0.0.0", "unspecified"),
+        # IPv6 forms that embed an IPv4 address a translator, relay or tunnel delivers to.
+        ("::127.0.0.1", "loopback"),  # IPv4-compatible
+        ("::169.254.169.254", "cloud_metadata"),
+        ("64:ff9b::127.0.0.1", "loopback"),  # NAT64, well-known prefix
+        ("64:ff9b::a9fe:a9fe", "cloud_metadata"),
+        ("64:ff9b::", "unspecified"),
+        ("64:ff9b:1::7f00:1", "loopback"),  # NAT64, local-use prefix as /96
+        ("64:ff9b:1:7f00:0:100::", "loopback"),  # ... as /48 (bits 64-71 skipped)
+        ("64:ff9b:1:a9:fe:a9fe::", "cloud_metadata"),  # ... as /56
+        ("2002:7f00:1::1", "loopback"),  # 6to4
+        ("2002:a9fe:a9fe:1::1", "cloud_metadata"),
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", "loopback"),  # Teredo: the client, obfuscated
+        ("2001:0:a9fe:a9fe::", "cloud_metadata"),  # Teredo: the server
+        ("2001:db8::5efe:7f00:1", "loopback"),  # ISATAP interface id
+        ("2001:db8::200:5efe:a9fe:a9fe", "cloud_metadata"),
+        ("64:ff9b::93.184.216.34", None),  # what NAT64 is for: public IPv4 from IPv6
+        ("64:ff9b:1::5db8:d822", None),
+        ("2002:5db8:d822::1", None),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", None),  # RFC 4380's example: public both ends
+        ("2001:db8::5efe:5db8:d822", None),
         ("93.184.216.34", None),
         ("10.1.2.3", None),  # private networks are where object stores live: not denied
         ("2001:db8::1", None),
@@ -230,6 +250,25 @@ def test_ipv4_mapped_ipv6_is_checked_as_ipv4(server: FaultServer, out: Path) -> 
     with pytest.raises(DownloadFailed) as info:  # written as a literal, too
         fetch(f"http://[::ffff:127.0.0.1]:{port}/blob.bin", str(out / "c"), config=config())
     assert info.value.details["rule"] == "loopback"
+
+
+def test_ipv6_embedding_a_denied_ipv4_is_refused_at_connect(server: FaultServer, out: Path) -> None:
+    """A NAT64 gateway or a 6to4/Teredo relay would carry these to 127.0.0.1: each is refused
+    before any connection, as a literal or as a name's answer, naming what it embeds."""
+    port = server.base_url.rsplit(":", 1)[1]
+    for literal in ("64:ff9b::7f00:1", "64:ff9b:1::7f00:1", "2002:7f00:1::", "::127.0.0.1"):
+        with pytest.raises(DownloadFailed) as info:
+            fetch(f"http://[{literal}]:{port}/blob.bin", str(out / "a"), config=config())
+        assert info.value.details["rule"] == "loopback", (literal, info.value.details)
+        assert "127.0.0.1" in str(info.value) and "embedded" in str(info.value)
+    dns = FakeDNS(nat64=[["64:ff9b::a9fe:a9fe"]])
+    with pytest.raises(DownloadFailed) as info:
+        fetch(f"http://nat64.test:{port}/blob.bin", str(out / "b"), config=resolving(config(), dns))
+    assert info.value.details["rule"] == "cloud_metadata" and server.requests == []
+    nothing_written(out / "a")
+    # Opened by the embedded address, as an IPv4-mapped one is; or by the IPv6 network itself.
+    for allow in ("127.0.0.1", "64:ff9b::/96"):
+        assert config(allow=[allow]).policy.refusal("h.example", "64:ff9b::7f00:1") is None
 
 
 # ------------------------------------------------------------------ DNS rebinding
