@@ -8,14 +8,16 @@
 - the protocol (``_protocol``: JSON lines of at most ``MAX_FRAME_BYTES``, ``RoundRequest``);
 - enforcement from outside, since the runner is untrusted for its whole life: the sandbox's
   confinement (``_confinement``, ``_pidns``, ``_cgroup``: a cgroup with memory and process
-  limits, frozen between rounds, strays killed), the runner's process and its whole-life
+  limits, frozen between rounds, strays killed; ``_groups``: whose group is whose, and
+  reclaiming what dead workers left), the runner's process and its whole-life
   frame reader (``_process``), the trained state read by descriptor (``_result``:
   ``read_result``);
 - the supervisor (``_supervisor``, the worker's side: start, rounds, shards, watchdog), and the
   runner (``_runner``, the child's side, run as ``python -m executor.sandbox``).
 
 Inside the package, bottom up: ``_seccomp``, ``_launch``, ``_protocol``, ``_result`` and
-``_confinement`` import no sibling; ``_pidns`` imports ``_confinement``; ``_cgroup`` imports both;
+``_confinement`` import no sibling; ``_pidns`` and ``_groups`` import ``_confinement``; ``_cgroup``
+imports all three;
 ``_process`` imports ``_protocol``; ``_supervisor`` imports all of these; ``_sandboxed`` imports
 ``_supervisor``; ``_runner`` imports ``_protocol`` only.
 """

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from executor.errors import InvalidRequest
 from executor.fileio import remove_tree, temp_path_for
 from executor.rounds import RoundOutcome, RoundSession, RoundSpec
-from executor.sandbox._cgroup import reclaim, support
+from executor.sandbox._cgroup import support
+from executor.sandbox._groups import reclaim
 from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
 from executor.sandbox._protocol import RoundRequest
 from executor.sandbox._result import result_header_limit, result_limit

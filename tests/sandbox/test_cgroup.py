@@ -24,7 +24,9 @@ import pytest
 from executor.errors import SandboxUnavailable
 from executor.fileio import MIB
 from executor.sandbox import _cgroup as cg
-from executor.sandbox._cgroup import Confinement, confine, group_name, support
+from executor.sandbox import _groups as groups
+from executor.sandbox._cgroup import Confinement, confine, support
+from executor.sandbox._groups import group_name
 
 IN_CI = os.environ.get("CI") == "true"
 UNSHARE = [shutil.which("unshare") or "/usr/bin/unshare", "--pid", "--fork", "--kill-child"]
@@ -169,16 +171,18 @@ def test_hierarchies_map_this_process_to_its_own_group() -> None:
         "41 31 0:38 /docker/x /mnt/elsewhere rw - cgroup2 cgroup2 rw\n"
         "42 31 0:38 / /sys/fs/cgroup/unified rw shared:1 - cgroup2 cgroup2 rw\n"
     )
-    found = cg._hierarchies(cgroup, mountinfo)
+    found = groups.find_hierarchies(cgroup, mountinfo)
     assert found["memory"].own == "/sys/fs/cgroup/memory/process_api/abc"
     assert (
-        found["pids"] == found["freezer"] == cg._Hierarchy("/sys/fs/cgroup/pids x", "/sys/fs/cgroup/pids x")
+        found["pids"]
+        == found["freezer"]
+        == groups.Hierarchy("/sys/fs/cgroup/pids x", "/sys/fs/cgroup/pids x")
     )
     # The first cgroup2 mount shows another subtree: only its root is reachable there.
-    assert found["cgroup2"] == cg._Hierarchy("/mnt/elsewhere", "/mnt/elsewhere")
-    assert cg._hierarchies(cgroup, mountinfo.replace("/docker/x", "/system.slice"))["cgroup2"].own == (
-        "/mnt/elsewhere/rh.service"
-    )
+    assert found["cgroup2"] == groups.Hierarchy("/mnt/elsewhere", "/mnt/elsewhere")
+    assert groups.find_hierarchies(cgroup, mountinfo.replace("/docker/x", "/system.slice"))[
+        "cgroup2"
+    ].own == ("/mnt/elsewhere/rh.service")
 
 
 def test_an_unknown_preference_is_refused() -> None:
@@ -254,7 +258,7 @@ def test_a_launched_process_is_in_the_group_before_its_first_instruction(
     out, _ = process.communicate(timeout=10)
     assert process.returncode == 0
     assert isinstance(confined, cg._Cgroup)
-    tail = f"/{cg.GROUP_DIR}/{os.path.basename(confined.groups[0])}"
+    tail = f"/{groups.GROUP_DIR}/{os.path.basename(confined.groups[0])}"
     joined = {
         controller
         for _, controllers, path in (line.split(":", 2) for line in out.decode().splitlines())
@@ -278,9 +282,11 @@ def test_groups_live_under_the_workers_own_group(confined: Confinement) -> None:
     # So that the sandbox stays inside whatever limits the worker runs under (writable here).
     assert isinstance(confined, cg._Cgroup)
     name = os.path.basename(confined.groups[0])
-    owns = {h.own for key, h in cg._hierarchies().items() if key in ("cgroup2", *cg.V1_CONTROLLERS)}
+    owns = {
+        h.own for key, h in groups.find_hierarchies().items() if key in ("cgroup2", *groups.V1_CONTROLLERS)
+    }
     assert {os.path.dirname(os.path.dirname(group)) for group in confined.groups} <= owns
-    assert all(group.endswith(f"/{cg.GROUP_DIR}/{name}") for group in confined.groups)
+    assert all(group.endswith(f"/{groups.GROUP_DIR}/{name}") for group in confined.groups)
     assert len(confined.groups) == (1 if confined.kind == "cgroup2" else 3)
 
 
@@ -626,9 +632,9 @@ def test_a_sandbox_of_another_pid_namespace_is_never_reclaimed_by_its_pid(kind: 
         assert held, "the other worker's sandbox is empty"
         mine = make(kind, f"test-{os.getpid()}-reclaims")  # reclaims what dead workers left
         mine.close()
-        cg.reclaim("a-third-host")  # a worker of another host id starting
+        groups.reclaim("a-third-host")  # a worker of another host id starting
         assert os.path.isdir(group) and read_procs(group) == held, "a live sandbox was reclaimed"
-        cg.reclaim("other-host")  # a worker of its own host id starting: the old one is gone
+        groups.reclaim("other-host")  # a worker of its own host id starting: the old one is gone
         assert not os.path.exists(group)
     finally:
         if other.stdin is not None:

@@ -24,13 +24,13 @@ import functools
 import os
 import platform
 import signal
-import struct
 
 import pytest
 
 from executor.errors import SandboxUnavailable
 from executor.sandbox import _seccomp
 from executor.sandbox._seccomp import AARCH64, X86_64, Arch, build_filter, host_filter
+from tests.support.bpf import ALLOW, ERRNO, run_filter
 
 MACHINE = platform.machine().lower()
 ARCH = {"x86_64": 0, "amd64": 0, "aarch64": 1, "arm64": 1}.get(MACHINE)
@@ -246,28 +246,6 @@ def test_tenant_code_makes_only_the_socket_families_it_needs(world) -> None:  # 
     world.healthy()
 
 
-def _run_filter(program: bytes, nr: int, *args: int, audit: int) -> int:
-    """What the kernel's classic-BPF interpreter returns for one syscall (the five
-    instructions the filter uses); a jump out of the program raises IndexError."""
-    insns = [struct.unpack("=HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
-    argv = (*args, 0, 0, 0, 0, 0, 0)[:6]
-    data = struct.pack("<II8x6Q", nr & 0xFFFFFFFF, audit, *(arg & (1 << 64) - 1 for arg in argv))
-    acc, pc = 0, 0
-    while True:
-        code, jt, jf, k = insns[pc]
-        pc += 1
-        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
-            acc = struct.unpack_from("<I", data, k)[0]
-        elif code in (0x15, 0x35, 0x45):  # BPF_JMP | BPF_JEQ / BPF_JGE / BPF_JSET, K
-            taken = acc == k if code == 0x15 else acc >= k if code == 0x35 else bool(acc & k)
-            pc += jt if taken else jf
-        elif code == 0x06:  # BPF_RET | BPF_K
-            return k
-        else:
-            raise AssertionError(f"unexpected instruction {code:#x} at {pc - 1}")
-
-
-ALLOW, ERRNO = 0x7FFF0000, 0x00050000
 FOREIGN_AUDIT = {"x86_64": 0x40000003, "aarch64": 0x40000028}  # i386, 32-bit ARM
 READ_NR = {"x86_64": 0, "aarch64": 63}
 
@@ -275,7 +253,7 @@ READ_NR = {"x86_64": 0, "aarch64": 63}
 @pytest.mark.parametrize("arch", [X86_64, AARCH64], ids=["x86_64", "aarch64"])
 def test_the_programs_make_only_the_needed_socket_families(arch: Arch) -> None:
     # Every architecture's program as the kernel runs it (no aarch64 machine here).
-    verdict = functools.partial(_run_filter, build_filter(arch), audit=arch.audit)
+    verdict = functools.partial(run_filter, build_filter(arch), audit=arch.audit)
     for nr in (arch.socket, arch.socketpair):
         for family in (*range(64), 0xFFFF, 0xFFFFFFFF):
             for high in (0, 1 << 32):  # the kernel reads the low 32 bits (an int)
@@ -287,7 +265,7 @@ def test_the_programs_make_only_the_needed_socket_families(arch: Arch) -> None:
         # Another ABI's socket or socketcall (102 on i386) never reaches the rule.
         for number in (nr, 102):
             assert (
-                _run_filter(build_filter(arch), number, 1, audit=FOREIGN_AUDIT[arch.name])
+                run_filter(build_filter(arch), number, 1, audit=FOREIGN_AUDIT[arch.name])
                 == ERRNO | errno.EPERM
             )
     if arch.x32_bit is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from executor.sandbox import (
     read_result,
 )
 from executor.tensorfile import write_state
+from tests.support.bpf import ALLOW, ERRNO, run_filter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,27 +96,6 @@ def test_frames_are_bounded_and_checked(tmp_path: Path) -> None:
         checked_error({"code": "made_up", "message": "x"})
 
 
-def _run_filter(program: bytes, nr: int, audit_arch: int, arg0: int = 0) -> int:
-    """What the kernel's classic-BPF interpreter returns for one syscall (the five
-    instructions the filter uses); a jump out of the program raises IndexError."""
-    insns = [struct.unpack("=HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
-    data = struct.pack("<iI", nr, audit_arch) + bytes(8) + struct.pack("<Q", arg0) + bytes(40)
-    acc, pc = 0, 0
-    while True:
-        code, jt, jf, k = insns[pc]
-        pc += 1
-        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
-            acc = struct.unpack_from("<I", data, k)[0]
-        elif code in (0x15, 0x35, 0x45):  # BPF_JMP | BPF_JEQ / BPF_JGE / BPF_JSET, K
-            taken = acc == k if code == 0x15 else acc >= k if code == 0x35 else bool(acc & k)
-            pc += jt if taken else jf
-        elif code == 0x06:  # BPF_RET | BPF_K
-            return k
-        else:
-            raise AssertionError(f"unexpected instruction {code:#x} at {pc - 1}")
-
-
-ALLOW, ERRNO = 0x7FFF0000, 0x00050000
 CLONE_NEWUSER = 0x10000000
 
 
@@ -126,17 +105,17 @@ def test_seccomp_programs_give_each_syscall_its_verdict(arch, read_nr: int) -> N
     # test_seccomp.py checks the x86_64 one by behaviour inside the real sandbox.
     program = build_filter(arch)
     assert len(program) % 8 == 0 and len(program) // 8 < 4096
-    verdict = functools.partial(_run_filter, program, audit_arch=arch.audit)
+    verdict = functools.partial(run_filter, program, audit=arch.audit)
     assert verdict(read_nr) == ALLOW
-    assert _run_filter(program, read_nr, arch.audit ^ 1) == ERRNO | errno.EPERM  # another ABI
+    assert run_filter(program, read_nr, audit=arch.audit ^ 1) == ERRNO | errno.EPERM  # another ABI
     assert verdict(arch.clone3) == ERRNO | errno.ENOSYS  # libc falls back to clone
     for nr in arch.io_uring:
         assert verdict(nr) == ERRNO | errno.ENOSYS, nr
     for nr in arch.denied:
         assert verdict(nr) == ERRNO | errno.EPERM, nr
     for nr in (arch.clone, arch.unshare):
-        assert verdict(nr, arg0=CLONE_NEWUSER | 0x11) == ERRNO | errno.EPERM, nr
-        assert verdict(nr, arg0=0x11) == ALLOW, nr  # a plain fork or thread is fine
+        assert verdict(nr, CLONE_NEWUSER | 0x11) == ERRNO | errno.EPERM, nr
+        assert verdict(nr, 0x11) == ALLOW, nr  # a plain fork or thread is fine
     if arch.x32_bit is not None:
         assert verdict(arch.x32_bit | read_nr) == ERRNO | errno.EPERM  # the x32 ABI
 

@@ -53,6 +53,7 @@ WHITE_BOX = {
     ("tests.unit.test_artifacts", "executor.artifacts._bundle"),  # copy chunk size, patched small
     # Confinement kinds driven by hand: a v2 group without controllers, discovery from given texts.
     ("tests.sandbox.test_cgroup", "executor.sandbox._cgroup"),
+    ("tests.sandbox.test_cgroup", "executor.sandbox._groups"),  # group names, reclaim, discovery
     # The runner's message for a result over the file bound (a real 1 GiB+ result is too heavy here).
     ("tests.unit.test_runner_result", "executor.sandbox._runner"),
     # A watchdog that breaks (its quota walk raising) must end the sandbox: the break is injected.
