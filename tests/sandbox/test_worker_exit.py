@@ -102,6 +102,19 @@ def gone(host: str, uid: int, pids: set[int], timeout_s: float = 10) -> tuple[se
     return pids & sandbox_pids(uid), host_groups(host)
 
 
+def stop_and_check(worker: WorkerProcess, host: str, uid: int, sig: int) -> None:
+    """Stop the idle ``worker`` (holding its spare sandbox) with ``sig``: nothing of its
+    sandboxes may be left, neither a process of the sandbox uid nor a group of the host."""
+    spare_ready(worker)
+    held = sandbox_pids(uid)
+    assert held and host_groups(host), "the idle worker holds no spare sandbox"
+    os.kill(worker.main_pid, sig)
+    assert worker.process is not None
+    worker.process.wait(timeout=120)
+    alive, groups = gone(host, uid, held)
+    assert not alive and not groups, f"left behind: processes {alive}, groups {groups}"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGQUIT], ids=["warm", "cold"])
 def test_a_shutdown_ends_the_workers_sandboxes(redis_url: str, tmp_path: Path, sig: int) -> None:
     # Warm: SIGTERM to the MainProcess, the child leaves its loop. Cold: SIGQUIT, billiard sends
@@ -110,14 +123,7 @@ def test_a_shutdown_ends_the_workers_sandboxes(redis_url: str, tmp_path: Path, s
     worker = WorkerProcess(host, redis_url, tmp_path, env=env(uid))
     try:
         worker.start()
-        spare_ready(worker)
-        held = sandbox_pids(uid)
-        assert held and host_groups(host), "the idle worker holds no spare sandbox"
-        os.kill(worker.main_pid, sig)
-        assert worker.process is not None
-        worker.process.wait(timeout=120)
-        alive, groups = gone(host, uid, held)
-        assert not alive and not groups, f"left behind: processes {alive}, groups {groups}"
+        stop_and_check(worker, host, uid, sig)
     finally:
         worker.stop()
         end_leftovers(host, uid)
@@ -151,13 +157,7 @@ def test_a_worker_killed_outright_leaves_nothing_to_its_successor(redis_url: str
         assert not alive and not left, (
             f"the dead worker's sandbox outlived its successor's start: {alive}, {left}"
         )
-        spare_ready(second)
-        held = sandbox_pids(uid)
-        os.kill(second.main_pid, signal.SIGTERM)
-        assert second.process is not None
-        second.process.wait(timeout=120)
-        alive, groups = gone(host, uid, held)
-        assert not alive and not groups, f"left behind: processes {alive}, groups {groups}"
+        stop_and_check(second, host, uid, signal.SIGTERM)
     finally:
         first.stop()
         second.stop()
