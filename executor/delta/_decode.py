@@ -79,9 +79,8 @@ def max_delta_bytes(model: str | Header | Mapping[str, torch.Tensor]) -> int:
 def max_delta_tensors(model: Header | Mapping[str, torch.Tensor]) -> int:
     """The most tensors a delta for ``model`` holds: one per floating key (the pickle budget of
     the seed's torch format, :mod:`executor.torchzip`)."""
-    if isinstance(model, Header):
-        return sum(1 for s in model.specs.values() if is_floating(s.dtype))
-    return sum(1 for t in model.values() if is_floating(t.dtype))
+    values = model.specs.values() if isinstance(model, Header) else model.values()
+    return sum(1 for value in values if is_floating(value.dtype))
 
 
 def _bound(keys: Iterable[tuple[torch.dtype, int]], header_bytes: int) -> int:

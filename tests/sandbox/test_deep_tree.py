@@ -13,7 +13,6 @@ quota, ``reset`` removes the tree, and the next tenant is served.
 from __future__ import annotations
 
 import os
-import random
 import textwrap
 import time
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from safetensors.torch import save_file
 
 from executor import Executor
 from executor.delta import state_hash
@@ -30,8 +28,8 @@ from executor.fileio import remove_tree
 from executor.results import RoundStatus
 from executor.sandbox import _supervisor
 from settings import Settings
-from tests.support.engine import make_shards, mlp_state, shard_descriptors
-from tests.support.http_server import FaultServer
+from tests.support.engine import mlp_state
+from tests.support.sandboxed import sandboxed_executor, serving_mlp
 
 pytestmark = [pytest.mark.needs_sandbox, pytest.mark.timeout(300)]
 
@@ -67,11 +65,8 @@ def _removed_after(tmp_path: Path) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("deep-srv")
-    save_file(mlp_state(), str(root / "model.safetensors"))
-    shards = make_shards(root)
-    with FaultServer(root) as server:
-        yield SimpleNamespace(server=server, descriptors=shard_descriptors(server, shards))
+    with serving_mlp(tmp_path_factory.mktemp("deep") / "srv") as (server, descriptors):
+        yield SimpleNamespace(server=server, descriptors=descriptors)
 
 
 def assert_quota_failure(status: str, error: dict[str, Any] | None) -> None:
@@ -81,21 +76,16 @@ def assert_quota_failure(status: str, error: dict[str, Any] | None) -> None:
 
 
 def sandboxed(tmp_path: Path) -> Executor:
-    uid = random.choice(UIDS)
-    settings = Settings(
-        work_dir=str(tmp_path / "work"),
-        cache_dir=str(tmp_path / "cache"),
-        host_id="deep-tree",
-        sandbox="bwrap",
-        sandbox_uid=uid,
-        sandbox_gid=uid,
+    return sandboxed_executor(
+        tmp_path,
+        "deep-tree",
+        UIDS,
         sandbox_memory_mb=1024,
         sandbox_disk_mb=QUOTA_MB,
         sandbox_wall_time_s=WALL_TIME_S,
         sandbox_stop_grace_s=1.0,
         sandbox_spare=False,
     )
-    return Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=True)
 
 
 def test_a_deep_tree_fails_the_round_and_reset_removes_it(served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -20,6 +20,7 @@ def sandboxed_executor(tmp_path: Path, host_id: str, uids: range, **overrides: A
     """Its sandbox runs as a uid drawn from ``uids`` (64000 + …: no other test's), so counting
     that uid's processes counts this executor's sandboxes only."""
     uid = random.choice(uids)
+    values: dict[str, Any] = {"sandbox_memory_mb": 3072, "sandbox_disk_mb": 256, **overrides}
     settings = Settings(
         work_dir=str(tmp_path / "work"),
         cache_dir=str(tmp_path / "cache"),
@@ -27,9 +28,7 @@ def sandboxed_executor(tmp_path: Path, host_id: str, uids: range, **overrides: A
         sandbox="bwrap",
         sandbox_uid=uid,
         sandbox_gid=uid,
-        sandbox_memory_mb=3072,
-        sandbox_disk_mb=256,
-        **overrides,
+        **values,
     )
     return Executor(lambda _s: None, lambda _l: None, settings=settings, sandboxed=True)
 
