@@ -6,7 +6,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.roundhouse-installed
 
-.PHONY: install system-deps compose-deps test compose-test lint typecheck unit demo clean
+.PHONY: install system-deps compose-deps test compose-test lint typecheck unit durations demo clean
+
+# The suite runs in parallel, a test module per unit of work: its module-scoped fixtures (a
+# Redis, workers, a sandbox uid) stay in one process, and tests/module_seconds.json orders the
+# modules longest first (tests/support/suite.py). Four processes on two cores: most of the
+# suite waits on workers, sandboxes and servers (docs/TESTING.md has the measurements).
+TEST_WORKERS ?= 4
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,20 +59,24 @@ typecheck: install
 	$(PY) -m mypy
 
 test: lint typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL) --durations=15
+
+# The edit-test loop's lane: the unit tests (no worker, no sandbox), under a minute.
+unit: install
+	$(PY) -m pytest -q -n 2 tests/unit
+
+# The whole suite, its module times written to tests/module_seconds.json (commit it when the
+# suite's shape changes) and its slowest tests printed (docs/TESTING.md keeps the table).
+durations: install
+	$(PY) -m pytest -q $(PARALLEL) --durations=15 --module-seconds tests/module_seconds.json
 
 # The compose stack built and run (tests/compose): Debian's Docker engine, started by the
 # test on a socket of its own, docker-compose v1 and debootstrap for the base image (no
 # registry is reachable on the CI machines). Installed from Debian when missing, as root.
+# A tool that cannot be installed stops the target with apt's own output (scripts/need_tools.sh).
 COMPOSE_TOOLS := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap
 compose-deps:
-	@for pair in $(COMPOSE_TOOLS); do \
-		command -v "$${pair%%:*}" >/dev/null 2>&1 && continue; \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$${pair#*:}" >/dev/null 2>&1 || \
-			{ apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$${pair#*:}" >/dev/null; }; \
-		else echo "$${pair%%:*} is missing: install $${pair#*:}"; fi; \
-	done
+	@scripts/need_tools.sh $(COMPOSE_TOOLS)
 
 compose-test: install compose-deps
 	$(PY) -m pytest -q -m compose tests/compose

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+
+import pytest
 
 # Set at import, before any test module reads Settings or starts a worker.
 os.environ["ROUNDHOUSE_URL_ALLOW"] = "127.0.0.1,::1"
@@ -37,3 +40,37 @@ os.environ["ROUNDHOUSE_SIGNING_CERT"] = str(SESSION_KEYS.signing_cert())
 os.environ["ROUNDHOUSE_TLS_CA_FILE"] = str(SESSION_KEYS.ca_cert)
 for _name in ("ROUNDHOUSE_KEYS_DIR", "ROUNDHOUSE_INSECURE"):
     os.environ.pop(_name, None)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of the module's own on a free port (its tests may kill and restart it:
+    no other module sees it), stopped after the module."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# The suite's rules (skips in CI, module order, measured times): tests/support/suite.py.
+from tests.support.redis_server import RedisServer  # noqa: E402
+from tests.support.suite import (  # noqa: E402
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_collectreport,
+    pytest_make_collect_report,
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+)
+
+__all__ = [
+    "pytest_addoption",
+    "pytest_collection_modifyitems",
+    "pytest_collectreport",
+    "pytest_make_collect_report",
+    "pytest_runtest_logreport",
+    "pytest_runtest_makereport",
+    "pytest_terminal_summary",
+]

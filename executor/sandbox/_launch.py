@@ -18,7 +18,7 @@ isolation, so ``auto`` never picks it: ``auto`` is bwrap or a refusal to run ten
 Both run under ``prlimit`` (processes, data size, file size, open files) and inside the
 sandbox's confinement (:mod:`executor.sandbox._cgroup`). Whichever mode is chosen, the
 worker first runs exactly the launch it will use, with a probe for a program
-(:data:`PROBE_PROGRAM`), and refuses clearly when that fails.
+(:func:`probe_program`), and refuses clearly when that fails.
 """
 
 from __future__ import annotations
@@ -54,7 +54,16 @@ GPU_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-mo
 # What the launch runs: the runner; or, to probe the very same launch, an interpreter that
 # imports the engine's ground floor from the sandbox's view of the code (cheap: no torch).
 RUNNER_PROGRAM = ("-m", "executor.sandbox")
-PROBE_PROGRAM = ("-c", "import executor.errors")
+
+
+def probe_program(task_dir: str) -> tuple[str, str]:
+    """The probe: the engine's ground floor imported and the task directory entered, as the
+    runner does first. Without the second, an unshare launch whose work dir lies under a
+    directory the sandbox uid cannot cross (a 0700 parent) passes the probe and then fails
+    every round at the runner's ``chdir``."""
+    return ("-c", f"import os, executor.errors; os.chdir({task_dir!r})")
+
+
 # The host's system directories bound read-only as themselves (see _system_binds).
 SYSTEM_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_FILES = (

@@ -42,12 +42,12 @@ from executor.rounds import RoundOutcome
 from executor.sandbox import _seccomp as seccomp
 from executor.sandbox._cgroup import Confinement, confine
 from executor.sandbox._launch import (
-    PROBE_PROGRAM,
     RUNNER_PROGRAM,
     Paths,
     SandboxConfig,
     command,
     prepare_dirs,
+    probe_program,
 )
 from executor.sandbox._process import Ended, RunnerProcess, pipe_holding, spawn
 from executor.sandbox._protocol import RoundRequest, checked_error
@@ -200,8 +200,9 @@ class Supervisor:
         cannot start here is refused now (``SandboxUnavailable``), not at every round."""
         prepare_dirs(self.paths, self.config)
         confinement = self._confine("probe")
+        program = probe_program(self.paths.inside_task)
         try:
-            with self._argv(confinement, MIN_RESULT_BYTES, PROBE_PROGRAM) as (argv, fds):
+            with self._argv(confinement, MIN_RESULT_BYTES, program) as (argv, fds):
                 process = spawn(
                     argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     env={}, close_fds=True, pass_fds=fds, process_group=0,

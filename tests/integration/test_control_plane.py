@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from typing import Any
@@ -261,20 +260,23 @@ def test_only_a_signed_control_command_is_obeyed(  # type: ignore[no-untyped-def
     admin = secure_redis.client("admin")
     watch = admin.pubsub()
     watch.psubscribe("/0.celery.pidbox")
-    copies: list[bytes] = []
-    listener = threading.Thread(target=lambda: copies.extend(_messages(watch, 1)), daemon=True)
-    listener.start()
-    time.sleep(0.3)
-    assert client.app.control.ping(destination=[node("cp1")], timeout=2)
-    listener.join(10)
+    # Redis confirms a subscription once it is in place: from then on every message published
+    # on the channel waits in this connection until read, so the ping cannot be missed.
+    assert _confirmed(watch, "psubscribe"), "the control channel subscription was not confirmed"
+    # With a destination, ping returns at the first reply: the timeout is only a deadline.
+    assert client.app.control.ping(destination=[node("cp1")], timeout=30)
+    copies = _messages(watch, 1)
     assert copies, "no control message seen"
     admin.publish("/0.celery.pidbox", copies[0])
-    time.sleep(2)
-    found = refusals(client, "cp1", since)
-    assert sorted(r["reason"] for r in found) == ["replay", "unsigned", "untrusted_signer"], found
+    expected = ["replay", "unsigned", "untrusted_signer"]
+    deadline = time.monotonic() + 60
+    while len(found := refusals(client, "cp1", since)) < len(expected) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sorted(r["reason"] for r in found) == expected, found
     assert {r["kind"] for r in found} == {"control"}
     assert worker.process is not None and worker.process.poll() is None, "an unsigned shutdown stopped it"
-    assert client.app.control.ping(timeout=2), "the worker no longer answers signed commands"
+    pong = client.app.control.ping(destination=[node("cp1")], timeout=30)
+    assert pong, "the worker no longer answers signed commands"
     # The real thing: a signed shutdown ends a worker (exit 0).
     other = WorkerProcess(
         "cp2", secure_redis.url("worker-cp2"), tmp_path / "cp2", env={"ROUNDHOUSE_SANDBOX": "off"}
@@ -284,9 +286,19 @@ def test_only_a_signed_control_command_is_obeyed(  # type: ignore[no-untyped-def
     assert not secure_redis.acl_log()
 
 
+def _confirmed(pubsub: Any, kind: str) -> bool:
+    """Whether Redis confirmed the (p)subscription within a generous deadline."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.5)
+        if message and message["type"] == kind:
+            return True
+    return False
+
+
 def _messages(pubsub: Any, count: int) -> list[bytes]:
     got: list[bytes] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while len(got) < count and time.monotonic() < deadline:
         message = pubsub.get_message(timeout=0.5)
         if message and message["type"] == "pmessage":

@@ -73,13 +73,6 @@ def rabbit_client(broker: str, redis_server: RedisServer) -> RoundClient:
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def vhost():
     created = Vhost().create()
     yield created

@@ -55,13 +55,6 @@ def store(s3: SeaweedS3, proxy: CuttingProxy) -> S3Store:
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def worker(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory):
     process = WorkerProcess("s1", redis_server.url, tmp_path_factory.mktemp("s1")).start()
     yield process

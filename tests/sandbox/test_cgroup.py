@@ -516,7 +516,15 @@ def test_memory_bytes_grows_when_the_sandbox_allocates(kind: str, launch: Launch
 
 @needs_root
 @pytest.mark.parametrize("confined", ALL_KINDS, indirect=True)
-def test_a_round_end_costs_a_few_milliseconds(confined: Confinement, launch: Launcher) -> None:
+def test_a_round_end_with_nothing_to_kill_waits_out_no_timeout(
+    confined: Confinement, launch: Launcher
+) -> None:
+    """Thaw, freeze and a kill that finds no stray return as soon as the kernel has done what
+    they ask: none waits out its deadline (the freeze's ``timeout_s``, the kill's ``SETTLE_S``).
+    The bound is half the shorter one: a round end that waits one out takes at least all of
+    it, while a loaded machine adds tenths of a second (pidns spawns a helper per freeze: about
+    0.2 s with two cores busy). What a round end costs in milliseconds is measured by
+    ``python -m bench.sandbox`` (the per-round overhead), not asserted here."""
     process = launch.python(confined, KEEPER, "/dev/null", "/dev/null", "0")
     (keeper,) = children(process.pid)
     costs = []
@@ -524,13 +532,15 @@ def test_a_round_end_costs_a_few_milliseconds(confined: Confinement, launch: Lau
         started = time.perf_counter()
         confined.thaw()  # round start
         confined.freeze()  # round end: frozen, strays killed
-        confined.kill({keeper})
+        assert confined.kill({keeper}) == 0, "the keeper has no stray to kill"
         costs.append(time.perf_counter() - started)
     costs.sort()
-    print(
-        f"{confined.kind}: thaw+freeze+kill median {costs[10] * 1e3:.2f} ms, worst {costs[-1] * 1e3:.2f} ms"
+    median = costs[len(costs) // 2]
+    print(f"{confined.kind}: thaw+freeze+kill median {median * 1e3:.2f} ms, worst {costs[-1] * 1e3:.2f} ms")
+    deadline = min(confined.timeout_s, cg.SETTLE_S)
+    assert median < deadline / 2, (
+        f"a round end takes {median:.2f} s (median of 20): it waits out a deadline ({deadline} s)"
     )
-    assert costs[10] < 0.05  # the whole sandbox's per-round budget; expected: a few ms
 
 
 # ---------------------------------------------------------------- issue 25: the lifecycle

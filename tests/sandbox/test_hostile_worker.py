@@ -132,7 +132,8 @@ def test_a_message_after_complete_or_a_nested_frame_fails_the_round(rig) -> None
 def test_the_runners_cleanup_switched_off_keeps_no_daemon(rig) -> None:  # type: ignore[no-untyped-def]
     result = attack(rig, DAEMON_WITHOUT_CLEANUP)
     assert result["status"] == "completed" and result["report"] == {"beating": True}, result
-    assert live_processes(UID) <= 1, "the daemon outlived its round"
+    live = live_processes(UID)
+    assert live <= 1, f"the daemon outlived its round: {live} live processes of the sandbox uid after 60 s"
     later = attack(
         rig,
         "import time\ntime.sleep(1)\nsave_report({'age': time.time() - float(open('/task/beat').read())})",

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,8 @@ def env(uid: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
 
 
 def sandbox_pids(uid: int) -> set[int]:

@@ -18,14 +18,19 @@ from tests.support.http_server import FaultServer
 
 def sandboxed_executor(tmp_path: Path, host_id: str, uids: range, **overrides: Any) -> Executor:
     """Its sandbox runs as a uid drawn from ``uids`` (64000 + …: no other test's), so counting
-    that uid's processes counts this executor's sandboxes only."""
+    that uid's processes counts this executor's sandboxes only; bwrap unless ``sandbox`` names
+    another mode."""
     uid = random.choice(uids)
-    values: dict[str, Any] = {"sandbox_memory_mb": 3072, "sandbox_disk_mb": 256, **overrides}
+    values: dict[str, Any] = {
+        "sandbox": "bwrap",
+        "sandbox_memory_mb": 3072,
+        "sandbox_disk_mb": 256,
+        **overrides,
+    }
     settings = Settings(
         work_dir=str(tmp_path / "work"),
         cache_dir=str(tmp_path / "cache"),
         host_id=host_id,
-        sandbox="bwrap",
         sandbox_uid=uid,
         sandbox_gid=uid,
         **values,

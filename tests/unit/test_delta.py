@@ -18,6 +18,7 @@ import torch
 import zstandard
 
 from executor import delta as D  # noqa: N812 - short alias, used on every line
+from executor.delta import _apply as delta_apply
 from executor.delta import _sync as delta_sync
 from executor.delta import apply_sync_delta
 from executor.errors import BadArtifact, HashMismatch, Stopped
@@ -104,6 +105,51 @@ def test_streaming_apply_matches_vectors(tmp_path: Path, vectors: list[dict]) ->
 
         loaded = load_file(str(model))
         for name, tensor in decode(vector["result"]).items():
+            assert tensor_bytes(loaded[name].contiguous()) == tensor_bytes(tensor), name
+
+
+@pytest.mark.parametrize(
+    "slice_elements", [delta_apply.APPLY_SLICE_ELEMENTS, 3], ids=["whole", "slices-of-3"]
+)
+def test_the_in_place_apply_of_a_known_base_matches_the_vectors(
+    tmp_path: Path, vectors: list[dict], monkeypatch: pytest.MonkeyPatch, slice_elements: int
+) -> None:
+    """The worker's path: it knows the hash of the model it installed (``known_base_hash``),
+    so no base hash is in flight and each float32 slice is summed in place, over its read
+    buffer. Slices of 3 elements cut the tensors at odd places and reuse every buffer of the
+    ring; the result must still be the vectors', byte for byte."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(delta_apply, "APPLY_SLICE_ELEMENTS", slice_elements)
+    summed_in_place: list[int] = []
+    add = delta_apply._add
+
+    def counting_add(base: torch.Tensor, delta: torch.Tensor | None, *, in_place: bool) -> torch.Tensor:
+        if in_place and base.dtype == torch.float32 and delta is not None:
+            summed_in_place.append(base.numel())
+        return add(base, delta, in_place=in_place)
+
+    monkeypatch.setattr(delta_apply, "_add", counting_add)
+    for vector in vectors:
+        model, delta_file = tmp_path / "model.safetensors", tmp_path / "delta.zst"
+        base = decode(vector["base"])
+        write_model(model, base)
+        D.write_delta(decode(vector["delta"]), str(delta_file))
+        summed_in_place.clear()
+        result = apply_sync_delta(
+            str(model),
+            str(delta_file),
+            base_hash=vector["base_hash"],
+            result_hash=vector["result_hash"],
+            known_base_hash=vector["base_hash"],
+        )
+        # Every element of the float32 keys went through the in-place sum.
+        assert sum(summed_in_place) == sum(t.numel() for t in base.values() if t.dtype == torch.float32) > 0
+        assert result.model_hash == vector["result_hash"]
+        assert D.file_state_hash(str(model)) == vector["result_hash"]
+        loaded = load_file(str(model))
+        for name, tensor in decode(vector["result"]).items():
+            assert loaded[name].dtype == tensor.dtype, name
             assert tensor_bytes(loaded[name].contiguous()) == tensor_bytes(tensor), name
 
 

@@ -48,6 +48,7 @@ WHITE_BOX = {
     ("tests.unit.test_transfer", "executor.transfer._cancel"),  # Cancel, driven by hand
     ("tests.unit.test_transfer", "executor.transfer._local"),  # the second-pass hash, patched
     ("tests.unit.test_delta", "executor.delta._sync"),  # slice size, patched small
+    ("tests.unit.test_delta", "executor.delta._apply"),  # slices patched small, the in-place add seen
     ("tests.unit.test_quant", "executor.delta._apply"),  # apply slices patched odd (int4 mid-byte)
     ("tests.unit.test_artifacts", "executor.artifacts._extract"),  # zip members, one by one
     ("tests.unit.test_artifacts", "executor.artifacts._bundle"),  # copy chunk size, patched small
@@ -61,6 +62,8 @@ WHITE_BOX = {
     ("tests.unit.test_trees", "executor.sandbox._result"),  # the watchdog's quota walk, alone
     # The seccomp programs of both architectures, run by hand; their numbers against libseccomp's.
     ("tests.sandbox.test_seccomp", "executor.sandbox._seccomp"),
+    # The unshare launch where bwrap is the default: its probe, and the paths it must reach.
+    ("tests.sandbox.test_limits", "executor.sandbox._launch"),
 }
 
 
