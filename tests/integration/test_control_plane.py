@@ -29,9 +29,10 @@ from orchestrator.collect import Deadline, Ending, Waiter
 from settings import Settings
 from tasks.client import RoundClient
 from tasks.keys import DevKeys, init_keys
-from tasks.signing import SEP, Signer
+from tasks.signing import Signer
 from tests.conftest import SESSION_KEYS
 from tests.support.engine import make_shards, mlp_state, shard_descriptors
+from tests.support.forgery import payload_parts, with_signed_json
 from tests.support.http_server import FaultServer
 from tests.support.rounds import STOP_PATHS, event_seq, stop_task, stored_result, wait_for_log
 from tests.support.secure_redis import SecureRedis, tls_binary
@@ -134,20 +135,6 @@ def push(secure_redis: SecureRedis, host: str, message: dict[str, Any]) -> None:
     secure_redis.client("admin").lpush(f"roundhouse.{host}", json.dumps(message))
 
 
-def signed_json(message: dict[str, Any]) -> tuple[list[bytes], Any]:
-    """The parts of a message's auth payload, and the JSON it signs."""
-    payload = base64.b64decode(base64.b64decode(message["body"]))
-    parts = payload.split(SEP, 4)
-    return parts, json.loads(parts[4])
-
-
-def with_signed_json(message: dict[str, Any], parts: list[bytes], body: bytes) -> dict[str, Any]:
-    forged = json.loads(json.dumps(message))
-    payload = SEP.join([*parts[:4], body])
-    forged["body"] = base64.b64encode(base64.b64encode(payload)).decode()
-    return forged
-
-
 @pytest.fixture(scope="module")
 def loaded(worker, client, tmp_path_factory):  # type: ignore[no-untyped-def]
     """cp1 with a model whose round 0 spins until it is stopped."""
@@ -173,7 +160,7 @@ def test_forged_tasks_are_refused_and_never_run(
     message = in_flight(secure_redis, "cp1", real.id)
     client.stop(real.id, host="cp1")
     assert stored_result(real)["status"] == "stopped"
-    parts, body = signed_json(message)
+    body = json.loads(payload_parts(message)[4])
     nonce = body[1]["roundhouse_envelope"]["nonce"]
     # Replayed as it is; its signed body changed; its headers naming another task; and an old
     # message, signed with the real key but long expired.
@@ -182,7 +169,7 @@ def test_forged_tasks_are_refused_and_never_run(
     push(
         secure_redis,
         "cp1",
-        with_signed_json(message, parts, parts[4].replace(nonce.encode(), flipped.encode())),
+        with_signed_json(message, lambda signed: signed.replace(nonce.encode(), flipped.encode())),
     )
     renamed = json.loads(json.dumps(message))
     renamed["headers"]["task"] = "roundhouse.reset"
