@@ -7,12 +7,10 @@ is lost, corrupted or run twice.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import select
 import signal
-import struct
 import threading
 import time
 import uuid
@@ -32,6 +30,7 @@ from tasks.client import RoundClient
 from tasks.events import Event
 from tasks.names import queue_name, stream_name
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
+from tests.support.held_reads import HeldReads
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer
 from tests.support.rounds import (
@@ -119,13 +118,6 @@ def world(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer):
     f1.stop()
 
 
-# fanotify (linux/fanotify.h): a group of permission events on file reads.
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
-FAN_CLOEXEC, FAN_CLASS_CONTENT, FAN_MARK_ADD, FAN_ACCESS_PERM, FAN_ALLOW = 0x1, 0x4, 0x1, 0x20000, 0x1
-AT_FDCWD = -100
-_FAN_EVENT = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
-_FAN_RESPONSE = struct.Struct("=iI")  # fd, response
 # The apply's read of the base in which the child is killed: the header takes two reads, then
 # one a slice into a ring of three buffers (executor/delta/_apply.py, RING_SLOTS), each slice's
 # sum written before its buffer is read into again; so by the 16th read the temp file holds at
@@ -225,47 +217,6 @@ def session_dir(worker: WorkerProcess) -> Path:
 
 def temp_files(directory: Path) -> list[str]:
     return [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
-
-
-class HeldReads:
-    """Every read of one file waits for this test's answer: fanotify's permission events, the
-    kernel's hook for an access decision (root, as the sandboxed worker needs anyway). A test
-    can so stop a process inside a read it chose, instead of racing it with a signal."""
-
-    def __init__(self, path: Path) -> None:
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_LARGEFILE
-        self.fd = _LIBC.fanotify_init(FAN_CLOEXEC | FAN_CLASS_CONTENT, flags)
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "fanotify_init")
-        if _LIBC.fanotify_mark(self.fd, FAN_MARK_ADD, FAN_ACCESS_PERM, AT_FDCWD, os.fsencode(path)) < 0:
-            errno = ctypes.get_errno()
-            os.close(self.fd)
-            raise OSError(errno, f"fanotify_mark {path}")
-
-    def __enter__(self) -> HeldReads:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)  # the kernel lets every read still waiting go on
-
-    def hold(self, pid: int, nth: int, when: Callable[[], bool], timeout_s: float = 120) -> None:
-        """Let reads go until process ``pid`` makes its ``nth`` read since ``when()`` first
-        held; leave that one unanswered (``pid`` blocked in it) until the ``with`` ends."""
-        seen = 0
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready, f"process {pid} made {seen} of {nth} reads in {timeout_s} s"
-            _len, _vers, _reserved, _meta_len, _mask, event_fd, reader = _FAN_EVENT.unpack(
-                os.read(self.fd, _FAN_EVENT.size)
-            )
-            if reader == pid and (seen or when()):
-                seen += 1
-                if seen == nth:
-                    os.close(event_fd)  # unanswered: the read waits for the group's end
-                    return
-            os.write(self.fd, _FAN_RESPONSE.pack(event_fd, FAN_ALLOW))
-            os.close(event_fd)
 
 
 def test_child_killed_mid_download_retries_and_resumes(world) -> None:  # type: ignore[no-untyped-def]
