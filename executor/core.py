@@ -53,6 +53,7 @@ from executor.session import (
 )
 from executor.shards import ShardCache, ShardDescriptor, ShardSession
 from executor.stopping import DoneThread, StopSignal
+from executor.workdir import SessionDir
 from settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class Executor:
         self._cache_private = cache_mb <= 0
         self._cache = ShardCache.for_settings(
             self.settings,
-            os.path.join(self._tmpdir, "private-shards")
+            SessionDir(self._tmpdir).private_shards
             if self._cache_private
             else (cache_dir or self.settings.cache_dir),
             cache_mb * MIB if not self._cache_private else 1 << 62,
@@ -127,7 +128,7 @@ class Executor:
         return InThreadRunner(
             self._stop_event,
             host_id=self._host_id,
-            offload_dir=os.path.join(self._tmpdir, "model-offload"),
+            offload_dir=SessionDir(self._tmpdir).model_offload,
             emit_stats=self._budget.stats,
             emit_log=self._budget.log,
         )

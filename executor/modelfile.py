@@ -44,13 +44,12 @@ from executor.fileio import (
 )
 from executor.results import ApplyVia
 from executor.transfer import Progress
+from executor.workdir import SessionDir
 
 if TYPE_CHECKING:
     from settings import Settings
 
 logger = logging.getLogger(__name__)
-
-MODEL_DIRNAME = "model"  # model.safetensors and bundle/; the sandbox sees this dir read-only
 
 Fingerprint = tuple[int, int, int, str]
 
@@ -116,6 +115,7 @@ class ModelFiles:
         progress: Callable[[str], Progress] | None = None,
     ) -> None:
         self.work_dir = work_dir
+        self.dirs = SessionDir(work_dir)
         self._transfer = transfer_config
         self._abort = abort
         self._bundle_max_bytes = bundle_max_bytes
@@ -152,13 +152,14 @@ class ModelFiles:
         for directory in (
             self.work_dir,
             self.model_dir,
-            *(os.path.join(self.work_dir, d) for d in ("deltas", "results")),
+            self.dirs.deltas,
+            self.dirs.results,
         ):
             with contextlib.suppress(FileNotFoundError):
                 for name in os.listdir(directory):
                     if name.startswith(".") and name.endswith((TEMP_SUFFIX, RETIRED_SUFFIX)):
                         removed += remove_quietly(os.path.join(directory, name)) >= 0
-        staging = os.path.join(self.work_dir, "incoming", "staging")
+        staging = self.dirs.staging
         if os.path.isdir(staging):
             remove_tree(staging, ignore_errors=True)
             removed += 1
@@ -166,14 +167,15 @@ class ModelFiles:
 
     @property
     def incoming(self) -> str:
-        path = os.path.join(self.work_dir, "incoming")
+        path = self.dirs.incoming
         os.makedirs(path, exist_ok=True)
         return path
 
     @contextmanager
     def staging(self) -> Iterator[str]:
         """A scratch dir beside the installed model; always removed afterwards."""
-        staging = os.path.join(self.incoming, "staging")
+        staging = self.dirs.staging
+        os.makedirs(self.incoming, exist_ok=True)
         remove_tree(staging, ignore_errors=True)
         os.makedirs(staging)
         try:
@@ -240,7 +242,7 @@ class ModelFiles:
 
     @property
     def model_dir(self) -> str:
-        path = os.path.join(self.work_dir, MODEL_DIRNAME)
+        path = self.dirs.model
         os.makedirs(path, mode=0o755, exist_ok=True)
         return path
 

@@ -22,6 +22,7 @@ from executor.fileio import atomic_write_json, read_json
 from executor.modelfile import InstalledModel, ModelFiles
 from executor.rounds import RoundSpec, validate_script
 from executor.shards import ShardDescriptor, ShardSession, check_tenant
+from executor.workdir import SessionDir
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -182,13 +183,10 @@ class Session:
         }
 
 
-MANIFEST_NAME = "session.json"
-
-
 def write_manifest(session: Session, work_dir: str) -> None:
     """Keep what a replacement process needs beside the model (atomically)."""
     try:
-        atomic_write_json(os.path.join(work_dir, MANIFEST_NAME), session.manifest())
+        atomic_write_json(SessionDir(work_dir).manifest, session.manifest())
     except (TypeError, ValueError):
         # Library callers may pass params JSON cannot hold; the manifest is then skipped.
         logger.warning("session manifest not written: params are not JSON-serialisable")
@@ -198,7 +196,7 @@ def drop_manifest(work_dir: str) -> None:
     """The session is over: no process may resume it, and its error feedback goes with it
     (a new model must not get the residual of the old one's deltas)."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(work_dir, MANIFEST_NAME))
+        os.unlink(SessionDir(work_dir).manifest)
     ErrorFeedback(work_dir).drop()
 
 
@@ -211,7 +209,7 @@ def session_from_manifest(
 ) -> Session | None:
     """The session a manifest describes, or None when it (or its model file) is not usable."""
     try:
-        manifest = read_json(os.path.join(work_dir, MANIFEST_NAME))
+        manifest = read_json(SessionDir(work_dir).manifest)
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or manifest.get("v") != 1:

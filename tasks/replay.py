@@ -29,6 +29,7 @@ import redis
 from celery.utils.log import get_logger
 
 from executor.fileio import atomic_writer
+from executor.workdir import replay_dir
 from tasks.names import nonce_key
 from tasks.signing import Refused
 
@@ -42,7 +43,7 @@ _LINE = re.compile(r"^([0-9a-f]{16,64}) (d|[0-9]{1,7}) ([0-9]{1,12})$")
 
 
 def ledger_dir(work_dir: str, host_id: str) -> str:
-    return os.path.join(work_dir, host_id, "replay")
+    return replay_dir(work_dir, host_id)
 
 
 class NonceLedger:

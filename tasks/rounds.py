@@ -18,6 +18,7 @@ from typing import Any
 from celery import Celery, Task
 
 from executor.fileio import atomic_write_json
+from executor.workdir import SessionDir
 from settings import Settings
 from tasks.names import APPLY_DELTA, LOAD_MODEL, RESET, RUN_ROUND, STATUS
 from tasks.runtime import runtime
@@ -41,10 +42,9 @@ class RoundTask(Task):
 
 
 def _memo_path(task_id: str) -> str:
-    rt = runtime()
-    directory = os.path.join(rt.executor.work_dir, "results")
-    os.makedirs(directory, exist_ok=True)
-    return os.path.join(directory, task_id.replace("/", "_") + ".json")
+    dirs = SessionDir(runtime().executor.work_dir)
+    os.makedirs(dirs.results, exist_ok=True)
+    return dirs.result(task_id)
 
 
 def _recall(task_id: str) -> dict[str, Any] | None:

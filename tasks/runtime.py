@@ -25,6 +25,7 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
 from executor import Stopped
+from executor.workdir import session_dir
 from settings import Settings, get_settings
 from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
@@ -60,7 +61,7 @@ class ChildRuntime:
             self._log,
             sandboxed=settings.sandbox != "off",
             settings=settings,
-            session_dir=os.path.join(settings.work_dir, settings.host_id, "session"),
+            session_dir=session_dir(settings.work_dir, settings.host_id),
             emit_state=self._progress,
         )
         # A replacement child carries on with its predecessor's session: no reload needed.

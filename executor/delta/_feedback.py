@@ -3,7 +3,7 @@
 A round that ships a quantised delta (``int8``, ``int4``) adds the residual of the rounds
 before it to ``trained - original`` before quantising, and keeps what this quantisation
 dropped, ``value - dequant(quant(value))`` in float32, as the next residual. It lives in
-the work dir beside the model (``RESIDUAL_NAME``, a plain safetensors file of float32
+the work dir beside the model (``SessionDir.residual``, a plain safetensors file of float32
 tensors), so it survives a crash of the worker's child with the rest of the session (the
 manifest); the session drops it at ``load_model`` (``executor.session.drop_manifest``) and
 ``reset`` wipes it with the work dir.
@@ -36,17 +36,16 @@ from executor.delta._sync import SyncDelta, is_floating, make_sync_delta
 from executor.errors import BadArtifact
 from executor.fileio import remove_quietly, temp_path_for
 from executor.tensorfile import Header, StreamWriter, read_header, read_tensor, tensor_bytes
+from executor.workdir import SessionDir
 
 logger = logging.getLogger(__name__)
-
-RESIDUAL_NAME = "delta-residual.safetensors"
 
 
 class ErrorFeedback:
     """The residual of one session's quantised deltas, in its work dir."""
 
     def __init__(self, work_dir: str) -> None:
-        self.path = os.path.join(work_dir, RESIDUAL_NAME)
+        self.path = SessionDir(work_dir).residual
 
     def exists(self) -> bool:
         return os.path.exists(self.path)

@@ -27,6 +27,7 @@ from executor.errors import ErrorInfo, RoundhouseError, Stopped, UserCodeError, 
 from executor.results import DeltaInfo, RoundResult, RoundStatus
 from executor.rounds._namespace import RoundSpec
 from executor.shards import ShardSession
+from executor.workdir import SessionDir
 
 TRACEBACK_CHARS = 8000
 
@@ -143,9 +144,9 @@ def ship_delta(
     rounds (``executor.delta.ErrorFeedback``, in the work dir); the next residual replaces
     it only once this delta is delivered, so a failed upload leaves it as it was.
     """
-    deltas = os.path.join(work_dir, "deltas")
-    os.makedirs(deltas, exist_ok=True)
-    path = os.path.join(deltas, f"round-{round_num}.safetensors.zst")
+    dirs = SessionDir(work_dir)
+    os.makedirs(dirs.deltas, exist_ok=True)
+    path = dirs.round_delta(round_num)
     feedback = ErrorFeedback(work_dir) if isinstance(dtype, QuantScheme) and error_feedback else None
     with contextlib.ExitStack() as stack:
         residual = stack.enter_context(feedback.next_round()) if feedback is not None else None

@@ -30,6 +30,7 @@ from executor.sandbox._protocol import RoundRequest
 from executor.sandbox._result import result_header_limit, result_limit
 from executor.sandbox._spare import Spare
 from executor.sandbox._supervisor import Supervisor
+from executor.workdir import SessionDir
 
 if TYPE_CHECKING:
     from settings import Settings
@@ -54,7 +55,8 @@ class SandboxedRunner:
     ) -> None:
         self.mode = mode
         self.config = config
-        root = os.path.join(work_dir, "sandbox")
+        dirs = SessionDir(work_dir)
+        root = dirs.sandbox
         self.paths = Paths(
             task=os.path.join(root, "task"),
             ro=os.path.join(root, "ro"),
@@ -65,7 +67,7 @@ class SandboxedRunner:
         self._max_script_bytes = max_script_bytes
         self._emit_log = emit_log
         self._emit_stats = emit_stats
-        spare_root = os.path.join(work_dir, "sandbox-spare")
+        spare_root = dirs.sandbox_spare
         self._spare = Spare(
             Paths(os.path.join(spare_root, "task"), os.path.join(spare_root, "ro"), model_dir, bwrap=True),
             self._supervisor_for,

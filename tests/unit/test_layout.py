@@ -14,13 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("executor", "tasks", "orchestrator", "settings")
 CALLERS = ("bench", "scripts", "tests")  # import the project, are imported by nothing in it
 
-GROUND_FLOOR = ("errors", "results", "fileio", "stopping", "tensorfile", "torchzip")
+GROUND_FLOOR = ("errors", "results", "fileio", "workdir", "stopping", "tensorfile", "torchzip")
 PACKAGES = ("transfer", "delta", "shards", "artifacts", "rounds", "sandbox")
 
 # Where each part of the engine stands: a module imports only parts of a lower rank (or its own).
 RANKS = {
     "executor.errors": 0,
     "executor.fileio": 0,
+    "executor.workdir": 0,
     "executor.results": 1,
     "executor.stopping": 1,
     "executor.tensorfile": 1,
@@ -250,3 +251,30 @@ def test_modules_and_functions_stay_small() -> None:
                 if length > 70:
                     too_long.append(f"{module}.{node.name}: {length} lines")
     assert not too_long, "\n".join(too_long)
+
+
+# The names of the work dir's parts that say nothing else (a thread or a host may be "sandbox").
+WORK_DIR_NAMES = {
+    "session.json", "delta-residual.safetensors", "private-shards", "model-offload",
+    "sandbox-spare", "incoming", "staging", "deltas", "results", "replay",
+}  # fmt: skip
+
+
+def test_the_work_dir_is_spelled_in_one_module() -> None:
+    # executor/workdir.py names every path of a work dir; a second spelling drifts from it.
+    spelled = []
+    for module, path in sources(PROJECT).items():
+        if module == "executor.workdir":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Constant) and node.value in WORK_DIR_NAMES):
+                continue
+            if not _is_label(node.value, module):
+                spelled.append(f"{module}:{node.lineno} {node.value!r}")
+    assert not spelled, "\n".join(spelled)
+
+
+def _is_label(value: str, module: str) -> bool:
+    """A word that names something else there: the replay store's refusal reason, the spare's
+    thread name."""
+    return (value, module) in {("replay", "tasks.replay"), ("sandbox-spare", "executor.sandbox._spare")}
