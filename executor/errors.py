@@ -9,8 +9,8 @@ stable ``code`` (DESIGN §3). The tree::
     │   ├── ShardIndexError               invalid_request   (also an IndexError, as in the seed)
     │   └── CacheTooSmall                 invalid_request   (limit cannot hold two shards)
     ├── DownloadFailed                    download_failed   (retries spent, HTTP 4xx/5xx)
-    ├── UploadFailed                      download_failed   (PUT of a result delta)
-    ├── StorageFull                       download_failed   (no space to store a download or a delta)
+    │   ├── UploadFailed                  download_failed   (PUT of a result delta)
+    │   └── StorageFull                   download_failed   (no space to store a download or a delta)
     ├── BadArtifact                       bad_artifact      (model, bundle, shard or delta unreadable)
     ├── HashMismatch                      hash_mismatch
     ├── UserCodeError                     user_code_error
