@@ -1,11 +1,20 @@
 """The reference orchestrator: DiLoCo outer loop, sync-delta publication, artifact serving, the demo.
 
-It drives workers through :class:`tasks.client.RoundClient` only. Modules, each importing
+It drives workers through :class:`tasks.client.RoundClient`; of the engine it uses the delta
+format and the streaming file helpers (``executor.delta``, ``executor.fileio``,
+``executor.tensorfile``), and ``engine_demo`` the ``Executor`` itself. Modules, each importing
 only those listed before it (and ``tasks.client``, ``tasks.names``, ``executor``, ``settings``):
 
 - ``artifacts``: a directory over HTTP with HMAC-signed, expiring URLs (``ArtifactServer``)
 - ``s3``: an S3-compatible store reached by SigV4 presigned URLs (``S3Store``)
 - ``local``: the embedded Redis and local worker processes (the demo; the tests reuse them)
+- ``checkpoint``: the state directory a restarted orchestrator resumes from
+- ``collect``: waiting for the workers, with deadlines: how a round or a sync ends
+- ``membership``: who trains, from the workers' heartbeats, elastic at round boundaries
+- ``aggregate``: a round's trained deltas folded into one running sum as they arrive
+- ``elastic``: joins at round boundaries and the sync that follows a round
 - ``diloco``: the ``ArtifactStore`` protocol, the outer step and the ``Orchestrator``
+- ``progress``: what ``roundhouse train`` and ``demo`` show (live progress, the loss)
+- ``train``: ``roundhouse train``, DiLoCo training of a user's own model
 - ``demo``: ``roundhouse demo``; ``engine_demo``: the engine alone, without Celery
 """

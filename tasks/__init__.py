@@ -11,6 +11,8 @@ Modules, each importing only those listed before it:
 - ``control``: the stop paths (revoke forwarding, SIGUSR2, stop through Redis)
 - ``runtime``: the prefork child's Executor, settings, events, stops and heartbeat
 - ``rounds``: the tasks of DESIGN §3
+- ``acl``: the Redis ACL users of a deployment (each worker its own, the orchestrator its own)
+- ``replay``: the replay guard's memory of admitted signed messages (a ledger on disk, Redis)
 - ``gate``: what a signed worker admits; ``embedded_redis``: the Procfile's and demo's Redis
 - ``app``: the Celery app and its worker hooks
 - ``client``: ``RoundClient`` for orchestrators (names, events, control; not the app)

@@ -1,6 +1,8 @@
 """What tenant code sees and how a round ends, identical in-thread and in the sandboxed runner.
 
 - the namespace (DESIGN §9): ``session_namespace``, ``RoundSpec``, ``RoundOutputs``, ``SessionView``;
+- the budget (``_budget``): what one round may say — its stats, logs and report, counted in
+  the worker;
 - the guard: ``validate_script`` at ``load_model``, ``play`` to run a round's code under the
   stop shield and classify its end;
 - the outcome: ``RoundOutcome`` (how a round ended), ``round_result`` (the task's result),

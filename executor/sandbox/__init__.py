@@ -12,8 +12,10 @@
   reclaiming what dead workers left), the runner's process and its whole-life
   frame reader (``_process``), the trained state read by descriptor (``_result``:
   ``read_result``);
-- the supervisor (``_supervisor``, the worker's side: start, rounds, shards, watchdog), and the
-  runner (``_runner``, the child's side, run as ``python -m executor.sandbox``).
+- the supervisor (``_supervisor``, the worker's side: start, rounds, shards, watchdog), the
+  spare (``_spare``: a runner started while the worker is idle, adopted by the next session),
+  and the runner (``_runner``, the child's side, run as ``python -m executor.sandbox``:
+  ``__main__``).
 
 Inside the package, bottom up: ``_seccomp``, ``_launch``, ``_protocol``, ``_result`` and
 ``_confinement`` import no sibling; ``_pidns`` and ``_groups`` import ``_confinement``; ``_cgroup``
