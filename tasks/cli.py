@@ -31,7 +31,7 @@ from settings import get_settings
 from tasks.names import queue_name
 
 
-def _mask(url: str) -> str:
+def mask_password(url: str) -> str:
     parts = urlsplit(url)
     if parts.password:
         port = f":{parts.port}" if parts.port else ""
@@ -208,7 +208,7 @@ def _settings(_: argparse.Namespace) -> int:
     values = get_settings().model_dump(mode="json")  # SecretStr fields come out masked
     for key in ("broker_url", "result_backend", "events_url"):
         if values.get(key):
-            values[key] = _mask(values[key])
+            values[key] = mask_password(values[key])
     print(json.dumps(values, indent=2, sort_keys=True))
     return 0
 
@@ -231,7 +231,7 @@ def _keys(args: argparse.Namespace) -> int:
     return keys_main(args.demo_args)
 
 
-def _parser() -> argparse.ArgumentParser:
+def command_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="roundhouse", description="Roundhouse: a GPU round executor.")
     commands = parser.add_subparsers(dest="command", required=True)
     worker = commands.add_parser("worker", help="run the Celery worker for one GPU")
@@ -274,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = command_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("demo", "train", "keys"):
         args.demo_args = extra  # these commands parse their own options

@@ -173,7 +173,7 @@ def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, sha
             with open(os.path.join(init["task"], "out", result_name), "wb") as out:
                 write_state(out, end.trained)
         except BaseException as exc:
-            error, result_name = failure(_result_too_large(exc, request.max_file_bytes)), None
+            error, result_name = failure(result_too_large(exc, request.max_file_bytes)), None
     _end_round(
         channel,
         _own_pid_namespace(init),
@@ -186,7 +186,7 @@ def run_round(channel: Channel, init: dict[str, Any], request: RoundRequest, sha
     )
 
 
-def _result_too_large(exc: BaseException, max_bytes: int) -> BaseException:
+def result_too_large(exc: BaseException, max_bytes: int) -> BaseException:
     """A trained state over the round's file bound, said as such: a bare ``File too large``
     named neither the bound nor its source (the GPU check's probe round left a 1.6 GB
     module of its own in ``model`` beside a tiny loaded one)."""

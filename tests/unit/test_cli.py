@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tasks.cli import _mask, main
+from tasks.cli import main, mask_password
 
 
 def test_settings_command_prints_effective_settings_with_secrets_masked(monkeypatch, capsys) -> None:
@@ -28,7 +28,7 @@ def test_settings_command_prints_effective_settings_with_secrets_masked(monkeypa
 
 
 def test_mask_leaves_urls_without_passwords_alone() -> None:
-    assert _mask("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert mask_password("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 def test_unknown_command_is_a_usage_error() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.cli import _parser
+from tasks.cli import command_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def compose() -> dict:
 def check_command(argv: list[str]) -> None:
     """A service command must be one this project provides, with arguments it accepts."""
     if argv[0] == "roundhouse":
-        args, extra = _parser().parse_known_args(argv[1:])  # exits on an unknown subcommand or option
+        args, extra = command_parser().parse_known_args(argv[1:])  # exits on an unknown subcommand or option
         if args.command == "demo":
             from orchestrator.demo import parser as demo_parser
 
@@ -231,7 +231,7 @@ def test_procfile_gives_the_worker_and_flower_their_role_keys_only(
             command
         )
         argv = shlex.split(re.sub(r"^\s*(?:[A-Z_]+=\S*\s+)+", "", with_defaults(command)))
-        args, _ = _parser().parse_known_args(argv[1:])
+        args, _ = command_parser().parse_known_args(argv[1:])
         assert args.command == role and args.keys == "var/keys", command
         if role == "flower":
             assert args.address == "127.0.0.1", command

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from executor.errors import UserCodeError
-from executor.sandbox._runner import _result_too_large
+from executor.sandbox._runner import result_too_large
 
 # A child with a 1 MiB file bound writes a 2 MiB trained state as the runner does.
 WRITE = """
@@ -31,7 +31,7 @@ def test_a_state_over_the_file_bound_is_a_clear_user_code_error(tmp_path) -> Non
         check=True,
     )
     assert out.stdout.strip() == str(errno.EFBIG), out  # what the kernel says (Python ignores SIGXFSZ)
-    mapped = _result_too_large(OSError(errno.EFBIG, "File too large"), 1 << 20)
+    mapped = result_too_large(OSError(errno.EFBIG, "File too large"), 1 << 20)
     assert isinstance(mapped, UserCodeError) and mapped.code == "user_code_error"
     assert "larger than this round's bound for one file, 1048576 bytes" in str(mapped)
     assert mapped.details == {"max_file_bytes": 1 << 20}
@@ -39,4 +39,4 @@ def test_a_state_over_the_file_bound_is_a_clear_user_code_error(tmp_path) -> Non
 
 def test_other_write_errors_pass_through() -> None:
     other = OSError(errno.ENOSPC, "No space left on device")
-    assert _result_too_large(other, 1 << 20) is other
+    assert result_too_large(other, 1 << 20) is other
