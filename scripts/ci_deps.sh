@@ -25,10 +25,9 @@ need_command tc iproute2
 need_command unshare util-linux
 ldconfig -p | grep -q 'libseccomp\.so\.2 ' || apt_install libseccomp2
 ldconfig -p | grep -q 'libseccomp\.so\.2 ' || fail "libseccomp.so.2 is still missing"
-"$PY" -c "from tasks.embedded_redis import tls_binary; raise SystemExit(tls_binary() is None)" 2>/dev/null ||
-	{ apt_install redis-server; systemctl disable --now redis-server >/dev/null 2>&1 || true; }
-"$PY" -c "from tasks.embedded_redis import tls_binary; raise SystemExit(tls_binary() is None)" ||
-	fail "no redis-server with TLS (Redis 7) after installing redis-server"
+tls_redis() { "$PY" -c "from tasks.embedded_redis import tls_binary; raise SystemExit(tls_binary() is None)"; }
+tls_redis 2>/dev/null || { apt_install redis-server; systemctl disable --now redis-server >/dev/null 2>&1 || true; }
+tls_redis || fail "no redis-server with TLS (Redis 7) after installing redis-server"
 
 # RabbitMQ: the node of this machine on 127.0.0.1:5672, started when it is not running.
 need_command rabbitmqctl rabbitmq-server

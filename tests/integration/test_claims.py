@@ -34,6 +34,7 @@ from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.rounds import event_seq, stored_result, unacked_since, wait_for_log
+from tests.support.waiting import wait_until
 from tests.support.worker import REPO, WorkerProcess
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,13 +111,6 @@ def stored_meta(client: RoundClient, task_id: str) -> dict:
 
 def task_events(client: RoundClient, host: str, since: int, task_id: str) -> list:
     return [e for e in client.events(host, since=since, idle_timeout_s=1) if e.task_id == task_id]
-
-
-def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.05) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll_s)
 
 
 def kill_whole(worker: LocalWorker) -> None:

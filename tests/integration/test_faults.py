@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,6 +40,7 @@ from tests.support.rounds import (
     wait_for_event,
     wait_for_log,
 )
+from tests.support.waiting import wait_until
 from tests.support.worker import WorkerProcess
 
 pytestmark = pytest.mark.timeout(400)
@@ -163,14 +163,7 @@ def await_replacement(worker: WorkerProcess, old: int) -> int:
 
 
 def wait_for_file(path: Path, timeout_s: float = 60) -> None:
-    wait_until(path.exists, path.name, timeout_s)
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(path.exists, timeout_s, path.name)
 
 
 def second_delivery(client: RoundClient, host: str, since: int, task_id: str) -> dict[str, list[Event]]:
@@ -384,7 +377,7 @@ def test_redis_down_at_the_end_of_a_round_loses_nothing_and_runs_nothing_twice(w
         "task-started": 1, "task-finished": 1, "refused": 1
     }, seen  # fmt: skip
     assert seen["refused"][0].data["reason"] == "replay", seen
-    wait_until(lambda: client.redis.llen(queue_name("f1")) == 0, "the copy to be taken")
+    wait_until(lambda: client.redis.llen(queue_name("f1")) == 0, 60, "the copy to be taken")
     events = task_events(client, "f1", since, pending.id)
     assert [e.data["step"] for e in events if "step" in e.data] == list(range(8)), "events lost or doubled"
     assert sum(1 for e in events if "executions" in e.data) == 1, "the round ran twice"
@@ -593,7 +586,7 @@ def test_a_round_longer_than_the_visibility_timeout_is_not_run_twice(world, sign
         wait_for_file(task_dir / "round11-started")
         delivered_at = unacked_since(client, pending.id)
         assert delivered_at is not None, "the running round's message is not among the worker's unacked"
-        wait_until(lambda: time.time() > delivered_at + VISIBILITY_TIMEOUT_S, "the visibility timeout")
+        wait_until(lambda: time.time() > delivered_at + VISIBILITY_TIMEOUT_S, 60, "the visibility timeout")
         # The sweep any consumer of these keys runs on its restore tick, run now: the worker's
         # own tick comes every ~100 s, too rarely to fall inside a round for sure.
         restore_overdue(redis_server.url, host, VISIBILITY_TIMEOUT_S)
@@ -612,7 +605,7 @@ def test_a_round_longer_than_the_visibility_timeout_is_not_run_twice(world, sign
             assert seen["refused"][0].data["reason"] == "replay", seen
         else:
             assert counts == {"task-started": 2, "task-finished": 2}, seen
-        wait_until(lambda: unacked_since(client, pending.id) is None, "the copy to be acknowledged")
+        wait_until(lambda: unacked_since(client, pending.id) is None, 60, "the copy to be acknowledged")
         events = task_events(client, host, since, pending.id)
         assert sum(1 for e in events if "executions" in e.data) == 1, "the round ran twice"
         assert client.redis.llen(queue_name(host)) == 0
