@@ -40,6 +40,7 @@ import requests
 from bench.common import add_size_and_runs, save, scratch
 from bench.nginx import Nginx
 from bench.tools import require
+from executor import configs
 from executor.errors import Stopped
 from executor.fileio import MIB
 from executor.transfer import FetchResult, TransferConfig, fetch
@@ -48,7 +49,7 @@ from settings import Settings
 
 def transfer_config(**settings: Any) -> TransferConfig:
     """Settings as given, with loopback (where nginx listens) opened in the URL policy."""
-    return TransferConfig.from_settings(Settings(url_allow=["127.0.0.1"], **settings))
+    return configs.transfer_config(Settings(url_allow=["127.0.0.1"], **settings))
 
 
 DEFAULTS = transfer_config()
@@ -58,7 +59,8 @@ BLOCK = 64 * MIB
 CRASH_CHILD = r"""
 import sys, time
 sys.path.insert(0, {repo!r})
-from executor.transfer import TransferConfig, fetch
+from executor import configs
+from executor.transfer import fetch
 from settings import Settings
 url, dest, half = sys.argv[1], sys.argv[2], int(sys.argv[3])
 said = False
@@ -68,7 +70,7 @@ def progress(done, total):
         said = True
         print("half", flush=True)
         time.sleep(60)  # the parent kills this process here
-fetch(url, dest, config=TransferConfig.from_settings(Settings(url_allow=["127.0.0.1"])), progress=progress)
+fetch(url, dest, config=configs.transfer_config(Settings(url_allow=["127.0.0.1"])), progress=progress)
 """
 
 

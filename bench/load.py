@@ -43,10 +43,11 @@ from bench.common import add_size_and_runs, save, scratch
 from bench.nginx import Nginx
 from bench.tools import require
 from executor import Executor
+from executor.configs import transfer_config
 from executor.delta import file_state_hash
 from executor.fileio import MIB
 from executor.tensorfile import write_state
-from executor.transfer import TransferConfig, fetch
+from executor.transfer import fetch
 from settings import Settings
 
 TENSORS = 16
@@ -98,7 +99,7 @@ class Methods:
         self.shard = shard
         self.dest = base / "out" / "model.safetensors"
         self.dest.parent.mkdir(exist_ok=True)
-        self.config = TransferConfig.from_settings(settings_for(base))
+        self.config = transfer_config(settings_for(base))
         self.executor = Executor(lambda _s: None, lambda _l: None, settings=settings_for(base))
         self.runs = 0
 
@@ -193,7 +194,7 @@ def main() -> int:
 
 def worker_profile(log: str) -> list[str]:
     """Where each worker load's time went, from the worker's own log: the load pipeline's
-    line (executor.loading) and Celery's "succeeded in" (the task on the child, from its
+    line (executor.session._loading) and Celery's "succeeded in" (the task on the child, from its
     start to its result) of each ``load_model``."""
     lines = []
     for line in log.splitlines():
@@ -257,7 +258,7 @@ def report(seconds: dict[str, list[float]], size: int, args: argparse.Namespace,
     for name, value in medians.items():
         print(f"{name:<40}{value:>9.3f}{size / value / 1e6:>8.0f}{value / curl:>8.2f}")
     if profile:
-        print("the worker's own account of each load (executor.loading's line, then Celery's task time):")
+        print("the worker's own account of each load (the load pipeline's line, then Celery's task time):")
         for line in profile:
             print(f"  {line}")
     record = {

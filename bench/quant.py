@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from bench.common import save, scratch
 from bench.quant_models import MODELS, BenchModel
 from executor import Executor, transfer
+from executor.configs import transfer_config
 from executor.delta import (
     ErrorFeedback,
     QuantScheme,
@@ -175,7 +176,7 @@ def throughput(root: Path, megabytes: int, runs: int, server: ArtifactServer) ->
     with open(model, "wb") as file:
         write_state(file, original)
     fp32_bytes = sum(t.numel() * 4 for t in original.values())
-    config = transfer.TransferConfig.from_settings(Settings(url_allow=["127.0.0.1"]))
+    config = transfer_config(Settings(url_allow=["127.0.0.1"]))
     rows = []
     for name in ("float16", "int8", "int4"):
         fmt = delta_format(name)

@@ -30,8 +30,8 @@ from bench.nginx import Nginx
 from bench.tools import require
 from bench.zstd import make_shard
 from executor import Executor
+from executor.configs import transfer_config
 from executor.shards import ShardCache, ShardDescriptor
-from executor.transfer import TransferConfig
 from settings import Settings
 from tests.support.engine import mlp_state
 
@@ -156,7 +156,7 @@ def serial_fetch_s(base: Path, shard: dict[str, object]) -> float:
     cache = ShardCache(
         str(base / "serial-cache"),
         1 << 34,
-        transfer_config=TransferConfig.from_settings(Settings(url_allow=["127.0.0.1"])),
+        transfer_config=transfer_config(Settings(url_allow=["127.0.0.1"])),
     )
     descriptor = ShardDescriptor.parse(shard)
     started = time.perf_counter()

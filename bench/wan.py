@@ -50,6 +50,7 @@ from bench.load import make_model
 from bench.nginx import Nginx, free_port
 from bench.tools import require
 from executor import Executor
+from executor.configs import transfer_config
 from executor.fileio import MIB
 from executor.tensorfile import write_state
 from executor.transfer import TransferConfig, fetch
@@ -182,7 +183,7 @@ class Proxy:
 
 def config(address: str, **settings: Any) -> TransferConfig:
     # The server's address is a private one of this host: the URL policy must be told.
-    return TransferConfig.from_settings(Settings(url_allow=[address], download_backoff_s=0.5, **settings))
+    return transfer_config(Settings(url_allow=[address], download_backoff_s=0.5, **settings))
 
 
 def aria2c(binary: str, url: str, dest: Path) -> None:

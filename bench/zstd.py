@@ -31,8 +31,8 @@ import zstandard
 
 from bench.common import add_size_and_runs, save, scratch
 from bench.tools import require
+from executor.configs import transfer_config
 from executor.shards import ShardCache, ShardDescriptor
-from executor.transfer import TransferConfig
 from settings import Settings
 
 
@@ -73,7 +73,7 @@ def main() -> int:
         packed_size, decoded_size = make_shard(packed, args.mb)
         out = base / "cli.out"
         # The shard is a local file: file:// under a root the bench names (DESIGN §11).
-        config = TransferConfig.from_settings(Settings(file_roots=[str(base)]))
+        config = transfer_config(Settings(file_roots=[str(base)]))
         cache = ShardCache(str(base / "cache"), 4 * (decoded_size + packed_size), transfer_config=config)
         descriptor = ShardDescriptor.parse(
             {"url": packed.as_uri(), "compression": "zstd", "size_bytes": packed_size}

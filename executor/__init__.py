@@ -6,7 +6,8 @@ must not import torch, so that the Celery MainProcess stays free of it.
 Its parts, bottom up (``tests/unit/test_layout.py`` holds each to importing only lower ones):
 
 - the ground floor: ``errors`` (the one error tree), ``fileio`` (atomic writes, tree walks),
-  ``workdir`` (every path of a work dir), ``results`` (what the executor returns),
+  ``workdir`` (every path of a work dir), ``urls`` (a URL that redacts itself),
+  ``results`` (what the executor returns),
   ``stopping`` (the stop signal), ``tensorfile`` (streaming safetensors), ``torchzip``
   (a ``torch.save`` zip checked before it is loaded);
 - ``placement`` (the model on the GPU, or split by accelerate) and ``preprocess`` (image
@@ -14,9 +15,11 @@ Its parts, bottom up (``tests/unit/test_layout.py`` holds each to importing only
 - ``transfer`` (downloads and uploads by URL), then ``delta`` (the sync delta and the trained
   one), ``artifacts`` (model formats) and ``shards`` (the shared shard cache);
 - ``rounds`` (what tenant code sees, how a round ends) and ``sandbox`` (the sandboxed runner);
-- the session: ``modelfile`` (the model file in the work dir), ``session`` (what a load
-  established), ``loading`` (the load pipeline);
-- ``core``: the ``Executor``, one per process.
+- ``session``: the session's owner (typed requests, the model file, the manifest, the load
+  pipeline, a round's delta shipped);
+- ``configs`` (every part's config, built once from the settings: the only engine module
+  below the facade that reads them) and ``assembly`` (the parts wired from it);
+- ``core``: the ``Executor``, one per process, the seed's facade.
 
 A caller of the seed imports its names from here (DESIGN §9): ``Executor``, ``StopExecution``,
 ``DownloadAborted``, ``CleanupFailed``, and the seed's tuning constants, which are now the

@@ -101,9 +101,16 @@ class ApplyOutcome:
     via: ApplyVia
     model_hash: str
     seconds: float
-    # Why the delta path was not used, when it was not (a hash mismatch, a missing base, ...).
-    fallback_reason: str | None = None
+    # Why the delta path was not used, when it was not: the error it met (``hash_mismatch``,
+    # ``bad_artifact``, ``download_failed``, ...), or ``delta_not_offered`` / ``no_base_model``.
+    fallback: ErrorInfo | None = None
     noop: bool = False
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """The fallback as one line, ``"code: message"``: the 0.x result's string, kept for one
+        release beside ``fallback`` (which an orchestrator reads without parsing text)."""
+        return f"{self.fallback.code}: {self.fallback.message}" if self.fallback else None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -111,7 +118,8 @@ class ApplyOutcome:
             "model_hash": self.model_hash,
             "seconds": round(self.seconds, 6),
         }
-        if self.fallback_reason:
+        if self.fallback is not None:
+            out["fallback"] = self.fallback.to_json()
             out["fallback_reason"] = self.fallback_reason
         if self.noop:
             out["noop"] = True

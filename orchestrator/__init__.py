@@ -3,7 +3,8 @@
 It drives workers through :class:`tasks.client.RoundClient`; of the engine it uses the delta
 format and the streaming file helpers (``executor.delta``, ``executor.fileio``,
 ``executor.tensorfile``), and ``engine_demo`` the ``Executor`` itself. Modules, each importing
-only those listed before it (and ``tasks.client``, ``tasks.names``, ``executor``, ``settings``):
+only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.embedded_redis``,
+``tasks.trust.keys``, ``executor``, ``settings``; ``cli`` also ``tasks.cli``):
 
 - ``artifacts``: a directory over HTTP with HMAC-signed, expiring URLs (``ArtifactServer``)
 - ``s3``: an S3-compatible store reached by SigV4 presigned URLs (``S3Store``)
@@ -17,4 +18,6 @@ only those listed before it (and ``tasks.client``, ``tasks.names``, ``executor``
 - ``progress``: what ``roundhouse train`` and ``demo`` show (live progress, the loss)
 - ``train``: ``roundhouse train``, DiLoCo training of a user's own model
 - ``demo``: ``roundhouse demo``; ``engine_demo``: the engine alone, without Celery
+- ``cli``: the ``roundhouse`` command: ``train`` and ``demo`` here, every other subcommand
+  ``tasks.cli``'s (the entry point stands on top, so that ``tasks`` never imports this package)
 """

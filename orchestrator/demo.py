@@ -34,7 +34,7 @@ from orchestrator.local import EmbeddedRedis, LocalWorker, signed_env
 from orchestrator.train import parser as train_parser
 from orchestrator.train import report, train
 from settings import Settings, get_settings
-from tasks.keys import DevKeys
+from tasks.trust.keys import DevKeys
 
 FEATURES = 16
 SHARDS = 4
@@ -103,7 +103,7 @@ def demo_keys(settings: Settings, console: Console) -> tuple[DevKeys, bool]:
     """The development keys the demo signs with (``ROUNDHOUSE_KEYS_DIR``, else var/keys, made
     when missing), and whether its Redis can speak TLS here."""
     from tasks.embedded_redis import TLS_HINT, tls_binary
-    from tasks.keys import ensure_keys
+    from tasks.trust.keys import ensure_keys
 
     keys = ensure_keys(settings.keys_dir or os.path.join("var", "keys"))
     tls = tls_binary() is not None

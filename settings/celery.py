@@ -17,7 +17,7 @@ Choices that matter for GPU rounds, and why:
 - Signed control plane (DESIGN §11) when the settings name a trust store or a signing key:
   tasks and control commands travel in Celery's ``auth`` serializer (``application/data``,
   RSA-PSS over the JSON body), and a worker accepts nothing else; results and events stay
-  JSON. ``tasks.signing`` registers the keys and replaces ``"auth"`` with its own signer's
+  JSON. ``tasks.trust.signing`` registers the keys and replaces ``"auth"`` with its own signer's
   serializer name.
 - Redis over TLS: a ``rediss://`` broker or backend is checked against ``tls_ca_file``
   (certificate required). One priority step, and in-flight messages under the worker's own

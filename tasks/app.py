@@ -14,10 +14,10 @@ from celery import Celery, signals
 
 from settings import Settings, celery_config, get_settings
 from tasks.control import RevokeForwarder
-from tasks.gate import Gate
 from tasks.rounds import register
 from tasks.runtime import close_runtime, runtime
-from tasks.signed_app import SignedCelery
+from tasks.trust.gate import Gate
+from tasks.trust.signed_app import SignedCelery
 
 
 def create_app(settings: Settings) -> Celery:

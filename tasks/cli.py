@@ -1,4 +1,5 @@
-"""The ``roundhouse`` command line.
+"""The worker side of the ``roundhouse`` command line (:mod:`orchestrator.cli` adds ``train``
+and ``demo`` on top: this package does not import the orchestrator).
 
 - ``roundhouse worker [--gpu N] [--host-id ID] [--keys DIR] [-- celery options]``: one worker
   for one GPU: sets ``CUDA_VISIBLE_DEVICES`` before anything starts, names the node
@@ -9,12 +10,14 @@
   missing, and no other key (``role_env``).
 - ``roundhouse redis [--port P] [--dir D] [--tls] [--aclfile F]``: the embedded Redis for
   the Procfile and the demo (``tasks.embedded_redis``; ``--tls``: with the development keys).
-- ``roundhouse keys init DIR``: development keys of the signed control plane (``tasks.keys``).
+- ``roundhouse keys init DIR``: development keys of the signed control plane (``tasks.trust.keys``).
 - ``roundhouse watch <host_id> [--since SEQ]``: a worker's events, replayed then live.
 - ``roundhouse status [host_id]``: live workers from their heartbeats.
-- ``roundhouse train``: DiLoCo training of your own model, script and shards (``--state-dir``
-  resumes); ``roundhouse demo``: a small preset of it.
 - ``roundhouse settings``: the settings.
+
+``command_parser(more)`` and ``main(argv, more)`` take the subcommands of a package above
+(``Subcommand``: each parses its own options); the ``roundhouse`` entry point passes
+``train`` and ``demo``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from settings import get_settings
@@ -83,7 +87,7 @@ def worker_command(
     return argv, env
 
 
-# What each role of a deployment is given from a `roundhouse keys init` directory (tasks.keys):
+# What each role of a deployment is given from a `roundhouse keys init` directory (tasks.trust.keys):
 # its own directory's paths, every other key setting blanked, so that neither
 # ROUNDHOUSE_KEYS_DIR (which names the orchestrator's key) nor a .env file adds one.
 _KEY_SETTINGS = ("TRUSTED_CERTS", "CONTROL_CERTS", "SIGNING_KEY", "SIGNING_CERT", "TLS_CA_FILE", "KEYS_DIR")
@@ -108,7 +112,7 @@ def role_env(role: str, keys_dir: str) -> dict[str, str]:
 
 def _take_keys(role: str, keys_dir: str | None) -> None:
     if keys_dir:
-        from tasks.keys import ensure_keys
+        from tasks.trust.keys import ensure_keys
 
         ensure_keys(keys_dir)
         os.environ.update(role_env(role, keys_dir))  # before the settings are first read
@@ -160,7 +164,7 @@ def _flower(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from tasks.gate import startup_problem
+    from tasks.trust.gate import startup_problem
 
     _take_keys("worker", args.keys)
     if problem := startup_problem(get_settings()):
@@ -173,7 +177,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _redis(args: argparse.Namespace) -> int:
     from tasks.embedded_redis import server_argv
-    from tasks.keys import ensure_keys
+    from tasks.trust.keys import ensure_keys
 
     os.makedirs(args.dir, exist_ok=True)
     directory = args.keys or get_settings().keys_dir or os.path.join("var", "keys")
@@ -213,25 +217,25 @@ def _settings(_: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from orchestrator.demo import main as demo_main
+@dataclass(frozen=True)
+class Subcommand:
+    """A subcommand that parses its own options: ``run`` is given the rest of the command line."""
 
-    return demo_main(args.demo_args)
-
-
-def _train(args: argparse.Namespace) -> int:
-    from orchestrator.train import main as train_main
-
-    return train_main(args.demo_args)
+    help: str
+    run: Callable[[list[str]], int]
 
 
-def _keys(args: argparse.Namespace) -> int:
-    from tasks.keys import main as keys_main
+def _keys(argv: list[str]) -> int:
+    from tasks.trust.keys import main as keys_main
 
-    return keys_main(args.demo_args)
+    return keys_main(argv)
 
 
-def command_parser() -> argparse.ArgumentParser:
+KEYS = Subcommand("development keys: roundhouse keys init DIR", _keys)
+
+
+def command_parser(more: Mapping[str, Subcommand] | None = None) -> argparse.ArgumentParser:
+    """The parser of this package's subcommands and of ``more`` (a package above's)."""
     parser = argparse.ArgumentParser(prog="roundhouse", description="Roundhouse: a GPU round executor.")
     commands = parser.add_subparsers(dest="command", required=True)
     worker = commands.add_parser("worker", help="run the Celery worker for one GPU")
@@ -254,31 +258,26 @@ def command_parser() -> argparse.ArgumentParser:
     redis_cmd.add_argument("--tls", action="store_true", help="TLS only, with the development keys")
     redis_cmd.add_argument("--keys", default=None, help="keys dir (ROUNDHOUSE_KEYS_DIR, else var/keys)")
     redis_cmd.add_argument("--aclfile", default=None, help="users and their rules (deploy/redis/)")
-    commands.add_parser("keys", help="development keys: roundhouse keys init DIR", add_help=False)
+    commands.add_parser("keys", help=KEYS.help, add_help=False)
     watch = commands.add_parser("watch", help="print a worker's events, replayed then live")
     watch.add_argument("host_id")
     watch.add_argument("--since", type=int, default=None, help="only events with a larger seq")
     watch.add_argument("--idle-timeout", type=float, default=None, help="stop after this long without events")
     status = commands.add_parser("status", help="live workers, from their heartbeats")
     status.add_argument("host_id", nargs="?", default=None)
-    commands.add_parser(
-        "demo", help="DiLoCo training of a tiny model over real workers (options: see roundhouse demo -h)",
-        add_help=False,
-    )  # fmt: skip
-    commands.add_parser(
-        "train", help="DiLoCo training of your own model over the workers (options: see roundhouse train -h)",
-        add_help=False,
-    )  # fmt: skip
+    for name, subcommand in (more or {}).items():
+        commands.add_parser(name, help=subcommand.help, add_help=False)
     commands.add_parser("settings", help="print the effective settings (secrets masked)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = command_parser()
+def main(argv: list[str] | None = None, more: Mapping[str, Subcommand] | None = None) -> int:
+    parser = command_parser(more)
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("demo", "train", "keys"):
-        args.demo_args = extra  # these commands parse their own options
-    elif extra:
+    own_options = {"keys": KEYS, **(more or {})}
+    if args.command in own_options:
+        return own_options[args.command].run(extra)  # these commands parse their own options
+    if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     for name in ("celery_args", "flower_args"):
         if getattr(args, name, None) and getattr(args, name)[0] == "--":
@@ -289,9 +288,6 @@ def main(argv: list[str] | None = None) -> int:
         "redis": _redis,
         "watch": _watch,
         "status": _status,
-        "demo": _demo,
-        "train": _train,
-        "keys": _keys,
         "settings": _settings,
     }
     return handlers[args.command](args)

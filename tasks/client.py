@@ -18,7 +18,7 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from executor.transfer import redact_url
+from executor.urls import Url, redact_url
 from settings import Settings, celery_config, get_settings
 from tasks.control import send_stop
 from tasks.events import Event
@@ -34,8 +34,8 @@ from tasks.names import (
     queue_name,
     stream_name,
 )
-from tasks.signed_app import SignedCelery
-from tasks.signing import NO_KEY, SigningError
+from tasks.trust.signed_app import SignedCelery
+from tasks.trust.signing import NO_KEY, SigningError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ REFUSAL_PAGE = 2000  # events-stream entries read per call of ``refusals``
 
 def redacted(value: Any) -> Any:
     """``value`` with every URL's query string (and userinfo) removed, for display."""
+    if isinstance(value, Url):
+        return str(value)
     if isinstance(value, str) and "://" in value:
         return redact_url(value)
     if isinstance(value, dict):

@@ -23,7 +23,7 @@
 3. :meth:`tasks.client.RoundClient.stop` — a key ``roundhouse:stop:<host>:<task_id>`` and a
    message on ``roundhouse:control:<host>``, watched by a thread in the child
    (:class:`StopWatcher`), so it works whatever the broker is doing. On the signed control
-   plane both hold a signed stop token naming the host and the task (``tasks.signing``);
+   plane both hold a signed stop token naming the host and the task (``tasks.trust.signing``);
    the child acts only on one that verifies against its trust store.
 
 In the child the signal handler only writes one byte to a pipe (nothing else is safe
@@ -45,9 +45,9 @@ import redis
 from celery import bootsteps
 from celery.worker import state as worker_state
 
-from settings import get_settings
 from tasks.names import control_channel, stop_key
-from tasks.signing import Refused, Signer, stop_token
+from tasks.trust.signed_app import app_settings
+from tasks.trust.signing import Refused, Signer, stop_token
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class RevokeForwarder(bootsteps.StartStopStep):
         self._tref: Any = None
 
     def start(self, worker: Any) -> None:
-        # Celery builds its bootsteps itself, so this one reads the process's one Settings.
-        settings = get_settings()
+        # Celery builds its bootsteps itself: the settings are the ones its app was built with.
+        settings = app_settings(worker.app)
         self._mailbox = StopMailbox(mailbox_dir(settings.work_dir, settings.host_id))
         self._guard_terminate(worker)
         self._tref = worker.timer.call_repeatedly(settings.revoke_poll_s, self._tick, (), priority=10)

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 
-from tasks.keys import DevKeys
+from tasks.trust.keys import DevKeys
 
 __all__ = ["TlsUnavailable", "server_argv", "tls_binary", "tls_flags"]
 

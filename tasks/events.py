@@ -55,7 +55,7 @@ SEQ_PLACEHOLDER = '"__roundhouse_seq__"'
 # set of "<id> <bytes>" by seq), its totals ("<entries> <bytes>").
 # ARGV: channel, message with SEQ_PLACEHOLDER, stream maxlen, event id, marker ttl, placeholder,
 # stream max bytes, stream ttl (ms), "1" to empty the stream first (cut).
-# Only commands a worker's ACL user has (tasks/acl.py): GET SET DEL EXISTS INCR XADD PUBLISH
+# Only commands a worker's ACL user has (tasks/trust/acl.py): GET SET DEL EXISTS INCR XADD PUBLISH
 # ZADD ZRANGE ZREM PEXPIRE. XADD's own MINID trims; what to trim the account says.
 _PUBLISH_LUA = """
 local last = redis.call('GET', KEYS[3])

@@ -62,7 +62,7 @@ RESET = "roundhouse.reset"
 STATUS = "roundhouse.status"
 TASK_NAMES = (LOAD_MODEL, RUN_ROUND, APPLY_DELTA, RESET, STATUS)
 
-# What a signed message binds inside its signed body (see tasks/signing.py).
+# What a signed message binds inside its signed body (see tasks/trust/signing.py).
 ENVELOPE_KEY = "roundhouse_envelope"
 
 

@@ -31,7 +31,7 @@ from celery.utils.log import get_logger
 from executor.fileio import atomic_writer
 from executor.workdir import replay_dir
 from tasks.names import nonce_key
-from tasks.signing import Refused
+from tasks.trust.signing import Refused
 
 logger = get_logger(__name__)
 

@@ -34,7 +34,7 @@ class RoundTask(Task):
     typing = True
     # The MainProcess's request: on a signed worker it hands the child the verified body
     # without its envelope, and retries a lost child's task by redelivering the signed message.
-    Request = "tasks.gate:GatedRequest"
+    Request = "tasks.trust.gate:GatedRequest"
     acks_late = True
     reject_on_worker_lost = True
     retry_on_worker_lost = True
@@ -100,21 +100,19 @@ def run_round(
     delta_url: str | None = None,
     delta_dtype: str = "float16",
 ) -> dict[str, Any]:
-    from executor.session import parse_delta_dtype
-    from executor.transfer import TransferConfig, check_url
-
     rt = runtime()
     task_id = self.request.id
     with rt.task(task_id, "run_round", round_num) as current:
         if (done := _recall(task_id)) is not None:
             return done  # redelivered after it finished: the round is not run twice
-        parse_delta_dtype(delta_dtype)
-        if delta_url:  # refused before the round trains, not after (nothing is written)
-            check_url(delta_url, config=TransferConfig.from_settings(rt.settings))
+        # One request, checked before the round trains (a refused delta URL writes nothing).
+        request = rt.executor.round_request(
+            steps, round_num, total_rounds, mode, step_offset, delta_url=delta_url, delta_dtype=delta_dtype
+        )
         started = time.monotonic()
-        rt.executor.run(steps, round_num, total_rounds, mode, step_offset)
+        rt.executor.start(request)
         rt.wait_round(current)
-        result = rt.executor.finish_round(delta_url=delta_url, delta_dtype=delta_dtype).to_json()
+        result = rt.executor.finish_round().to_json()
         rt.metrics.round_done(result["status"], time.monotonic() - started)
         return _remember(task_id, result)
 

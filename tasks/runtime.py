@@ -31,7 +31,7 @@ from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
 from tasks.metrics import WorkerMetrics
 from tasks.names import heartbeat_key
-from tasks.signing import Refused, load_security, open_stop_token
+from tasks.trust.signing import Refused, load_security, open_stop_token
 
 logger = logging.getLogger(__name__)
 

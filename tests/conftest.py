@@ -31,7 +31,7 @@ os.environ["ROUNDHOUSE_SANDBOX_SPARE"] = "false"
 # session's development orchestrator certificate and nothing else, and every client of the
 # test process (RoundClient, Celery apps from Settings) signs with its key. Tests of the
 # unsigned plane, or of other keys, say so in their own Settings.
-from tasks.keys import init_keys  # after the settings above (it builds no app)
+from tasks.trust.keys import init_keys  # after the settings above (it builds no app)
 
 SESSION_KEYS, _ = init_keys(tempfile.mkdtemp(prefix="roundhouse-test-keys-") + "/keys")
 os.environ["ROUNDHOUSE_TRUSTED_CERTS"] = str(SESSION_KEYS.trusted)

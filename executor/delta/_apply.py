@@ -142,14 +142,11 @@ def apply_sync_delta(
     abort: threading.Event | None = None,
     known_base_hash: str | None = None,
 ) -> ApplyResult:
-    """Apply a sync delta to a safetensors model file in one streaming pass.
-
-    Per slice of each tensor: read base, hash it, cast and add, hash the result,
-    write it. ``model_path`` is replaced atomically only when the base hash and
-    the result hash both hold; otherwise it is untouched and ``HashMismatch``
-    is raised. ``known_base_hash`` (the hash of the file as this process last
-    wrote it) skips re-hashing the base: the result hash still proves every byte.
-    """
+    """Apply a sync delta to a safetensors model file in one streaming pass: per slice of each
+    tensor, read the base, hash it, cast and add, hash the result, write it. ``model_path`` is
+    replaced atomically only when both hashes hold, else left as it was (``HashMismatch``).
+    ``known_base_hash`` (the file's hash as this process last wrote it) skips hashing the
+    base: the result hash still proves every byte."""
     started = time.monotonic()
     if known_base_hash is not None and known_base_hash != base_hash:
         raise HashMismatch(
@@ -190,19 +187,23 @@ def apply_sync_delta(
             pipeline.close(cancel=True)
             raise
         pipeline.close(cancel=False)
-        got_base = _named(base_hasher, base_hash) if base_hasher is not None else base_hash
-        got_result = _named(result_hasher, result_hash)
-        if got_base != base_hash:
-            raise HashMismatch(
-                "local model is not the delta's base", {"expected": base_hash, "local": got_base}
-            )
-        if got_result != result_hash:
-            raise HashMismatch(
-                "result of the delta apply does not match result_hash",
-                {"expected": result_hash, "got": got_result},
-            )
+        _check_hashes(base_hasher, result_hasher, base_hash=base_hash, result_hash=result_hash)
     size = os.path.getsize(model_path)
     return ApplyResult(result_hash, len(names), len(source.specs), size, time.monotonic() - started)
+
+
+def _check_hashes(base_hasher: Any, result_hasher: Any, *, base_hash: str, result_hash: str) -> None:
+    """``HashMismatch`` unless the base (when it was hashed) and the result are the named ones:
+    raised before the atomic writer commits, so the model file is left as it was."""
+    got_base = _named(base_hasher, base_hash) if base_hasher is not None else base_hash
+    if got_base != base_hash:
+        raise HashMismatch("local model is not the delta's base", {"expected": base_hash, "local": got_base})
+    got_result = _named(result_hasher, result_hash)
+    if got_result != result_hash:
+        raise HashMismatch(
+            "result of the delta apply does not match result_hash",
+            {"expected": result_hash, "got": got_result},
+        )
 
 
 def _named(hasher: Any, like: str) -> str:

@@ -5,13 +5,16 @@
   the worker;
 - the guard: ``validate_script`` at ``load_model``, ``play`` to run a round's code under the
   stop shield and classify its end;
-- the outcome: ``RoundOutcome`` (how a round ended), ``round_result`` (the task's result),
-  ``ship_delta`` (the trained delta written and uploaded);
+- the outcome: ``RoundOutcome`` (how a round ended), ``round_result`` (the task's result,
+  which ships the trained delta through the callable the session hands it);
 - the runners: the ``RoundRunner`` protocol both runners meet, and ``InThreadRunner``
-  (sandbox ``off``); the sandboxed one is :class:`executor.sandbox.SandboxedRunner`.
+  (sandbox ``off``); the sandboxed one is :class:`executor.sandbox.SandboxedRunner`;
+- the player (``_player``): ``RoundPlayer``, the round in flight on a thread of its own, and
+  its stop.
 
 Inside the package each module imports only those above it in this list:
-``_namespace`` → ``_outcome`` → ``_guard`` → ``_inthread``.
+``_namespace`` → ``_outcome`` → ``_guard`` → ``_inthread``; ``_budget`` after ``_namespace``,
+``_player`` last.
 """
 
 from executor.rounds._budget import BudgetLimits, RoundBudget
@@ -30,8 +33,8 @@ from executor.rounds._outcome import (
     RoundSession,
     failure,
     round_result,
-    ship_delta,
 )
+from executor.rounds._player import RoundPlayer
 
 __all__ = [
     "NAMESPACE_NAMES",
@@ -41,6 +44,7 @@ __all__ = [
     "RoundBudget",
     "RoundOutcome",
     "RoundOutputs",
+    "RoundPlayer",
     "RoundRunner",
     "RoundSession",
     "RoundSpec",
@@ -50,6 +54,5 @@ __all__ = [
     "play",
     "round_result",
     "session_namespace",
-    "ship_delta",
     "validate_script",
 ]

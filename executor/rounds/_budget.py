@@ -14,13 +14,9 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from executor.fileio import MIB
 from executor.rounds._namespace import MAX_LOG_CHARS, MAX_REPORT_BYTES, MAX_STATS_BYTES
-
-if TYPE_CHECKING:
-    from settings import Settings
 
 
 @dataclass(frozen=True)
@@ -35,17 +31,6 @@ class BudgetLimits:
 
 class RoundBudget:
     """The callbacks runners emit through, and what they had to drop this round."""
-
-    @classmethod
-    def for_settings(
-        cls, settings: Settings, emit_stats: Callable[[dict[str, Any]], None], emit_log: Callable[[str], None]
-    ) -> RoundBudget:
-        limits = BudgetLimits(
-            stats_events=settings.round_stats_max_events,
-            stats_bytes=settings.round_stats_max_mb * MIB,
-            log_bytes=settings.round_log_max_mb * MIB,
-        )
-        return cls(limits, emit_stats, emit_log)
 
     def __init__(
         self,

@@ -4,14 +4,11 @@ Both runners — in a thread of the worker (:mod:`executor.rounds._inthread`) an
 sandbox (:mod:`executor.sandbox`) — meet the :class:`RoundRunner` protocol and hand back
 one :class:`RoundOutcome`, which :func:`round_result` turns into the task's result. A
 round's delta is ``trained - original`` (DESIGN §3), written next to the work dir and PUT
-to the orchestrator's URL when one is given; without a URL it stays in ``<work>/deltas/``
-and its path is returned.
+to the orchestrator's URL when one is given (:mod:`executor.session` ships it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import traceback
 from collections.abc import Callable, Mapping
@@ -21,13 +18,11 @@ from typing import Any, Protocol
 
 import torch
 
-from executor import placement, transfer
-from executor.delta import DeltaFormat, ErrorFeedback, QuantScheme, write_result_delta
-from executor.errors import ErrorInfo, RoundhouseError, Stopped, UserCodeError, map_exceptions
+from executor import placement
+from executor.errors import ErrorInfo, RoundhouseError, Stopped, UserCodeError
 from executor.results import DeltaInfo, RoundResult, RoundStatus
 from executor.rounds._namespace import RoundSpec
 from executor.shards import ShardSession
-from executor.workdir import SessionDir
 
 TRACEBACK_CHARS = 8000
 
@@ -124,48 +119,6 @@ class RoundRunner(Protocol):
     def describe(self) -> dict[str, Any]:
         """Where tenant code runs and what confines it, for ``status``."""
         ...
-
-
-def ship_delta(
-    model_path: str,
-    trained: Mapping[str, torch.Tensor] | None,
-    *,
-    work_dir: str,
-    round_num: int,
-    dtype: DeltaFormat,
-    delta_url: str | None,
-    transfer_config: transfer.TransferConfig,
-    abort: threading.Event,
-    error_feedback: bool = True,
-) -> DeltaInfo:
-    """Write the trained delta (a zero delta when nothing was saved) and upload it.
-
-    A quantised delta with ``error_feedback`` carries the residual of the session's earlier
-    rounds (``executor.delta.ErrorFeedback``, in the work dir); the next residual replaces
-    it only once this delta is delivered, so a failed upload leaves it as it was.
-    """
-    dirs = SessionDir(work_dir)
-    os.makedirs(dirs.deltas, exist_ok=True)
-    path = dirs.round_delta(round_num)
-    feedback = ErrorFeedback(work_dir) if isinstance(dtype, QuantScheme) and error_feedback else None
-    with contextlib.ExitStack() as stack:
-        residual = stack.enter_context(feedback.next_round()) if feedback is not None else None
-        with map_exceptions({}, where="the work dir (trained delta)"):
-            written = write_result_delta(model_path, trained or {}, path, dtype=dtype, feedback=residual)
-            if not delta_url and residual is not None:
-                residual.commit()  # kept in the work dir: delivered
-        if not delta_url:
-            return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
-        try:
-            transfer.upload(path, delta_url, config=transfer_config, abort=abort)
-        finally:
-            os.unlink(path)
-        if residual is not None:
-            with map_exceptions({}, where="the work dir (error feedback)"):
-                residual.commit()
-    return DeltaInfo(
-        written.bytes, written.hash, written.dtype, written.keys, url=transfer.redact_url(delta_url)
-    )
 
 
 def round_result(

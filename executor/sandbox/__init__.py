@@ -24,7 +24,7 @@ imports all three;
 ``_supervisor``; ``_runner`` imports ``_protocol`` only.
 """
 
-from executor.sandbox._launch import bwrap_works, resolve_mode
+from executor.sandbox._launch import SandboxConfig, bwrap_works, resolve_mode
 from executor.sandbox._protocol import MAX_FRAME_BYTES, RoundRequest, checked_error, read_frame
 from executor.sandbox._result import read_result
 from executor.sandbox._sandboxed import SandboxedRunner, end_sandboxes
@@ -35,6 +35,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "X86_64",
     "RoundRequest",
+    "SandboxConfig",
     "SandboxedRunner",
     "build_filter",
     "bwrap_works",

@@ -32,13 +32,9 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from executor.errors import SandboxUnavailable
 from executor.fileio import MIB, remove_tree
-
-if TYPE_CHECKING:
-    from settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -100,23 +96,6 @@ class SandboxConfig:
             return self.memory_bytes
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return int(pages * 3 // 4)
-
-
-def sandbox_config(settings: Settings) -> SandboxConfig:
-    return SandboxConfig(
-        mode=settings.sandbox,
-        uid=settings.sandbox_ids[0],
-        gid=settings.sandbox_ids[1],
-        max_procs=settings.sandbox_max_procs,
-        max_open_files=settings.sandbox_max_open_files,
-        memory_bytes=settings.sandbox_memory_mb * MIB if settings.sandbox_memory_mb else None,
-        tmp_bytes=settings.sandbox_tmp_mb * MIB,
-        stop_grace_s=settings.sandbox_stop_grace_s,
-        wall_time_s=settings.sandbox_wall_time_s,
-        disk_bytes=settings.sandbox_disk_mb * MIB if settings.sandbox_disk_mb else None,
-        confinement=settings.sandbox_confinement,
-        spare=settings.sandbox_spare,
-    )
 
 
 @dataclass(frozen=True)

@@ -18,22 +18,19 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from executor.errors import InvalidRequest
 from executor.fileio import remove_tree, temp_path_for
 from executor.rounds import RoundOutcome, RoundSession, RoundSpec
 from executor.sandbox._cgroup import support
 from executor.sandbox._groups import reclaim
-from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode, sandbox_config
+from executor.sandbox._launch import Paths, SandboxConfig, resolve_mode
 from executor.sandbox._protocol import RoundRequest
 from executor.sandbox._result import result_header_limit, result_limit
 from executor.sandbox._spare import Spare
 from executor.sandbox._supervisor import Supervisor
 from executor.workdir import SessionDir
-
-if TYPE_CHECKING:
-    from settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -80,21 +77,21 @@ class SandboxedRunner:
         _LIVE.add(self)
 
     @classmethod
-    def for_settings(
+    def start(
         cls,
-        settings: Settings,
+        config: SandboxConfig,
         work_dir: str,
         model_dir: str,
         *,
         host_id: str,
+        max_script_bytes: int,
         emit_log: Callable[[str], None],
         emit_stats: Callable[[dict[str, Any]], None],
     ) -> SandboxedRunner:
-        """``ROUNDHOUSE_SANDBOX`` (``auto`` when it says ``off``: the caller asked for a sandbox);
-        ``SandboxUnavailable`` when nothing here can isolate tenant code."""
-        requested = settings.sandbox if settings.sandbox != "off" else "auto"
-        config = sandbox_config(settings)
-        mode = resolve_mode(requested, config.uid)
+        """The runner of ``config.mode`` (``auto``: the best launch this host has), probed with
+        the very launch rounds will use; ``SandboxUnavailable`` when nothing here can isolate
+        tenant code."""
+        mode = resolve_mode(config.mode, config.uid)
         os.chmod(work_dir, 0o711)  # the sandbox uid may pass through, not list or read
         runner = cls(
             mode,
@@ -102,7 +99,7 @@ class SandboxedRunner:
             work_dir,
             model_dir,
             host_id=host_id,
-            max_script_bytes=settings.max_script_bytes,
+            max_script_bytes=max_script_bytes,
             emit_log=emit_log,
             emit_stats=emit_stats,
         )

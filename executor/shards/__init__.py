@@ -16,9 +16,17 @@ shard files) → ``_descriptor`` (descriptors, tenant names).
 """
 
 from executor.shards._access import Origin
-from executor.shards._cache import ShardCache
+from executor.shards._cache import CacheLimits, ShardCache
 from executor.shards._decode import load_shard_file
 from executor.shards._descriptor import ShardDescriptor, check_tenant
 from executor.shards._session import ShardSession
 
-__all__ = ["Origin", "ShardCache", "ShardDescriptor", "ShardSession", "check_tenant", "load_shard_file"]
+__all__ = [
+    "CacheLimits",
+    "Origin",
+    "ShardCache",
+    "ShardDescriptor",
+    "ShardSession",
+    "check_tenant",
+    "load_shard_file",
+]

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 from executor import transfer
 from executor.errors import DownloadFailed
 from executor.shards._descriptor import ShardDescriptor, strip_query
+from executor.urls import Url
 
 ANONYMOUS_TENANT = "default"
 
@@ -99,9 +100,9 @@ def check_access(
     size = info.size
     claimed = descriptor.size_bytes or None
     if size is not None and claimed is not None and size != claimed:
-        safe_url = transfer.redact_url(descriptor.url)
+        url = Url.of(descriptor.url)
         raise DownloadFailed(
-            f"shard {safe_url} has {size} bytes on the server, its descriptor says {claimed}",
-            {"url": safe_url, "bytes": size, "expected": claimed},
+            f"shard {url} has {size} bytes on the server, its descriptor says {claimed}",
+            {"url": str(url), "bytes": size, "expected": claimed},
         )
     return Origin(size if size is not None else claimed, info.etag, info.last_modified)

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from executor import transfer
 from executor.errors import (
@@ -37,15 +37,13 @@ from executor.errors import (
     Stopped,
     map_exceptions,
 )
-from executor.fileio import MIB, temp_path_for
+from executor.fileio import temp_path_for
 from executor.shards._access import Origin, check_access, content_addressed, entry_name
 from executor.shards._decode import decoded_chunks, probe_decode, zstd_content_size
 from executor.shards._descriptor import ShardDescriptor, check_tenant
 from executor.shards._ledger import ENTRY_SUFFIX, LOCK_SUFFIX, POLL_S, FileLock, Ledger, Reservation
 from executor.transfer import Progress
-
-if TYPE_CHECKING:
-    from settings import Settings
+from executor.urls import Url
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +97,15 @@ class CacheStats:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class CacheLimits:
+    """The largest shard, packed or decoded (``max_shard_mb``; None: the cache limit, which no
+    shard can pass anyway), and how long a caller waits for room (``cache_wait_timeout_s``)."""
+
+    max_shard_bytes: int | None = None
+    wait_timeout_s: float = 120.0
+
+
 class ShardCache:
     """One cache directory per host (per GPU); safe to share between processes.
 
@@ -106,18 +113,6 @@ class ShardCache:
     largest shard, packed or decoded (``Settings.max_shard_mb``); left out, the cache
     limit, which no shard can pass anyway.
     """
-
-    @classmethod
-    def for_settings(
-        cls, settings: Settings, root: str, max_bytes: int, *, transfer_config: transfer.TransferConfig
-    ) -> ShardCache:
-        return cls(
-            root,
-            max_bytes,
-            transfer_config=transfer_config,
-            max_shard_bytes=settings.max_shard_mb * MIB,
-            wait_timeout_s=settings.cache_wait_timeout_s,
-        )
 
     def __init__(
         self,
@@ -273,7 +268,7 @@ class ShardCache:
             size = descriptor.size_bytes or transfer.remote_size(
                 descriptor.url, config=self.transfer_config, abort=abort
             )
-        safe_url = transfer.redact_url(descriptor.url)
+        safe_url = str(Url.of(descriptor.url))
         if size is None:
             raise InvalidRequest(
                 f"size of shard {safe_url} is unknown: give size_bytes in the "
@@ -323,7 +318,7 @@ class ShardCache:
             if packed == path:
                 return
             try:
-                self._decompress(packed, path, reservation, size, pinned, abort, url=descriptor.url)
+                self._decompress(packed, path, reservation, size, pinned, abort, url=Url.of(descriptor.url))
             finally:
                 os.unlink(packed)
         finally:
@@ -338,14 +333,14 @@ class ShardCache:
         pinned: int,
         abort: threading.Event | None,
         *,
-        url: str = "",
+        url: Url | None = None,
     ) -> None:
         """Stream-decode ``packed`` into ``path`` with one reused buffer; room is reserved first.
 
         The output stops at the shard cap, or at the size the frame records (a frame's
         header is never trusted beyond the cap, nor its data beyond its header).
         """
-        safe_url = transfer.redact_url(url) if url else os.path.basename(packed)
+        safe_url = str(url) if url is not None else os.path.basename(packed)
         with open(packed, "rb") as source:
             decoded = zstd_content_size(source)
             source.seek(0)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from executor.errors import InvalidRequest
+from executor.urls import redact_url
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -33,6 +34,8 @@ def strip_query(url: str) -> str:
 
 @dataclass(frozen=True)
 class ShardDescriptor:
+    # Raw, as presigned: it is fetched, and kept in the session's manifest. Shown only redacted
+    # (``__repr__``, ``to_json``), so a request or a session that holds it prints no credential.
     url: str
     compression: Literal["none", "zstd"] = "none"
     size_bytes: int = 0
@@ -63,6 +66,10 @@ class ShardDescriptor:
             raise InvalidRequest("shard id must be a non-empty string")
         kind: Literal["none", "zstd"] = "zstd" if compression == "zstd" else "none"
         return cls(url, kind, size, sha.lower() if sha else None, ident)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.to_json().items() if k != "url")
+        return f"ShardDescriptor(url={redact_url(self.url)!r}, {shown})"
 
     @property
     def key(self) -> str:

@@ -14,17 +14,20 @@ left (callers guarantee one writer per ``dest``). Failed attempts are retried wi
 a ``Range`` resume; large files on range-capable servers come down over several
 connections. An abort is noticed between buffer reads, and a
 :class:`~executor.stopping.StopSignal` also shuts the sockets down, so a read blocked
-on a stalled server returns at once. URLs reach messages and logs only through
-:func:`redact_url`: presigned query strings are credentials.
+on a stalled server returns at once. Presigned query strings are credentials: every entry
+point takes a ``str`` or an :class:`executor.urls.Url` and carries a ``Url`` from there on,
+whose every rendering (a message, a log line, an error's details, the sidecar) is redacted;
+its raw form is asked for (``Url.reveal()``) only where a request goes out and where the
+policy reads a host or a file path. ``redact_url`` is the same redaction for a plain ``str``.
 
 Behind this surface, private modules, each importing only those listed before it::
 
-    _urls      redact_url, scrub, url_host
     _policy    the URL policy: schemes, file roots (opened without following links),
                the address deny list and allow list, this host's own addresses
-    _config    TransferConfig (built from Settings, with the policy), FetchResult, Progress, Head
+    _config    TransferConfig (with the policy; built by executor.configs), FetchResult, Progress, Head
     _cancel    the sockets an abort shuts down; Cancel
-    _session   HTTP sessions whose connections the policy checks at connect time
+    _session   HTTP sessions whose connections the policy checks at connect time; urllib3's
+               log lines scrubbed of query strings
     _http      send (redirects by hand, each hop checked), one attempt's errors, the
                status check, the retry loop, headers
     _limits    a download's byte cap and head check
@@ -41,8 +44,9 @@ Behind this surface, private modules, each importing only those listed before it
 from executor.transfer._config import FetchResult, Head, Progress, RemoteInfo, TransferConfig
 from executor.transfer._fetch import fetch, remote_info, remote_size
 from executor.transfer._partial import partial_paths
+from executor.transfer._policy import UrlPolicy
 from executor.transfer._upload import check_url, upload
-from executor.transfer._urls import redact_url
+from executor.urls import redact_url
 
 __all__ = [
     "FetchResult",
@@ -50,6 +54,7 @@ __all__ = [
     "Progress",
     "RemoteInfo",
     "TransferConfig",
+    "UrlPolicy",
     "check_url",
     "fetch",
     "partial_paths",

@@ -18,7 +18,7 @@ import requests
 
 from executor.errors import DownloadAborted
 from executor.stopping import StopSignal, on_stop
-from executor.transfer._urls import redact_url
+from executor.urls import Url
 
 
 class HaltedError(Exception):
@@ -94,9 +94,9 @@ class Cancel:
     StopSignal's callback, or from the ranged supervisor when it sees a plain Event set.
     """
 
-    def __init__(self, abort: threading.Event | None, url: str) -> None:
+    def __init__(self, abort: threading.Event | None, url: str | Url) -> None:
         self.abort = abort
-        self.url = url
+        self.url = Url.of(url)
         self.halt = threading.Event()
         self.registry = SocketRegistry()
         # Whether something calls fire() when abort is set, so that waiting on halt suffices.
@@ -121,9 +121,7 @@ class Cancel:
     def check(self) -> None:
         if self.stopped():
             # The seed's name for it: a seed caller's ``except DownloadAborted`` keeps working.
-            raise DownloadAborted(
-                f"transfer of {redact_url(self.url)} stopped", {"url": redact_url(self.url)}
-            )
+            raise DownloadAborted(f"transfer of {self.url} stopped", {"url": str(self.url)})
         if self.halt.is_set():
             raise HaltedError()
 

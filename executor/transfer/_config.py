@@ -1,21 +1,18 @@
 """What a transfer is told and what it reports: :class:`TransferConfig` (with the URL
 policy), :class:`FetchResult`, the :data:`Progress` callback type and the :data:`Head` check.
 
-``Settings`` is named for the type checker only: the sandboxed runner imports this package
-and must not import pydantic or the ``settings`` package at run time.
+The config is built from the settings once, by ``executor.configs.transfer_config``: the
+sandboxed runner imports this package and must not import pydantic or ``settings``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from executor.fileio import MIB
 from executor.transfer._policy import UrlPolicy
-
-if TYPE_CHECKING:
-    from settings import Settings
 
 # What a transfer reports as it goes: (bytes done, total bytes or None when unknown).
 Progress = Callable[[int, int | None], None]
@@ -40,8 +37,8 @@ DigestFactory = Callable[[], Digest]
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """How transfers behave; built from :class:`~settings.Settings` (``from_settings``), the one
-    place where the values and their defaults are written down."""
+    """How transfers behave; built from the settings by ``executor.configs.transfer_config``,
+    the one place where the values and their defaults are written down."""
 
     retries: int  # attempts per transfer (and per parallel segment)
     backoff_s: float  # sleep backoff_s * attempt between attempts
@@ -69,23 +66,6 @@ class TransferConfig:
     # 1.416 s against 1.271 s; 2 GiB 1.481 s (32 MiB), 1.155 s (128), 1.108 s (256 = 1/8); over
     # the shaped WAN link (bench.wan's, 1 GiB `Executor.load`) 12.41 s against 12.07 s.
     segment_max_bytes: int = 128 * MIB  # a split download's segments, in file order
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> TransferConfig:
-        return cls(
-            retries=settings.download_retries,
-            backoff_s=settings.download_backoff_s,
-            connect_timeout_s=settings.connect_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            buffer_bytes=settings.download_buffer_bytes,
-            parallel_min_bytes=settings.parallel_min_bytes,
-            parallel_connections=settings.parallel_connections,
-            parallel_below_bytes_s=settings.parallel_below_bytes_s,
-            low_speed_bytes_s=settings.download_low_speed_bytes_s,
-            low_speed_time_s=settings.download_low_speed_time_s,
-            policy=UrlPolicy.build(settings.file_roots, settings.url_allow, settings.http_proxy),
-            max_unknown_bytes=settings.max_unknown_download_mb * MIB,
-        )
 
     @property
     def timeout(self) -> tuple[float, float]:

@@ -28,11 +28,11 @@ from executor.transfer._partial import ProgressMeter, discard, partial_paths
 from executor.transfer._policy import FilePath
 from executor.transfer._session import thread_session
 from executor.transfer._stream import download
-from executor.transfer._urls import redact_url, url_host
+from executor.urls import Url
 
 
 def fetch(
-    url: str,
+    url: str | Url,
     dest: str,
     *,
     config: TransferConfig,
@@ -60,6 +60,7 @@ def fetch(
     ``follow`` makes a digest fed every byte in order as it lands: ``FetchResult.followed``.
     """
     started = time.monotonic()
+    url = Url.of(url)
     target = config.policy.target(url)
     partial, sidecar_path = partial_paths(dest)
     unknown_cap = config.max_unknown_bytes if size is None else None
@@ -102,12 +103,16 @@ def fetch(
     return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked, followed)
 
 
-def remote_size(url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int | None:
+def remote_size(
+    url: str | Url, *, config: TransferConfig, abort: threading.Event | None = None
+) -> int | None:
     """The size of ``url`` in bytes, or None when the server does not say (chunked, no ranges)."""
     return remote_info(url, config=config, abort=abort).size
 
 
-def remote_info(url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> RemoteInfo:
+def remote_info(
+    url: str | Url, *, config: TransferConfig, abort: threading.Event | None = None
+) -> RemoteInfo:
     """What ``url`` names now: its size and validators (ETag, Last-Modified), when the server says.
 
     Asks with ``GET`` + ``Range: bytes=0-0`` rather than HEAD: a presigned URL is
@@ -121,7 +126,12 @@ def remote_info(url: str, *, config: TransferConfig, abort: threading.Event | No
 
     def attempt(_: int) -> RemoteInfo:
         response = send(
-            session, "GET", url, policy=config.policy, timeout=config.timeout, headers=request_headers(0, 0)
+            session,
+            "GET",
+            target,
+            policy=config.policy,
+            timeout=config.timeout,
+            headers=request_headers(0, 0),
         )
         with contextlib.closing(response):
             track_response(response)
@@ -131,12 +141,12 @@ def remote_info(url: str, *, config: TransferConfig, abort: threading.Event | No
             check_status(response)
             return RemoteInfo(announced_total(response), etag, modified)
 
-    with Cancel(abort, url) as cancel, tracking(cancel.registry):
-        return run_attempts(attempt, url=url, config=config, cancel=cancel, verb="size check")
+    with Cancel(abort, target) as cancel, tracking(cancel.registry):
+        return run_attempts(attempt, url=target, config=config, cancel=cancel, verb="size check")
 
 
 def _commit(
-    url: str,
+    url: Url,
     dest: str,
     size: int | None,
     sha256: str | None,
@@ -147,12 +157,12 @@ def _commit(
     """Check the finished partial file, then move it into place; returns (bytes, checked sha256)."""
     partial, sidecar_path = partial_paths(dest)
     total_bytes = os.path.getsize(partial)
-    safe_url = redact_url(url)
+    safe_url = str(url)
     if size is not None and total_bytes != size:
         discard(partial, sidecar_path)
         raise DownloadFailed(
             f"download of {safe_url} has {total_bytes} bytes, expected {size}",
-            {"url": safe_url, "host": url_host(url), "status": None, "bytes": total_bytes, "expected": size},
+            {"url": safe_url, "host": url.host, "status": None, "bytes": total_bytes, "expected": size},
         )
     checked = None
     if sha256 is not None:

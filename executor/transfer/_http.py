@@ -27,7 +27,7 @@ from executor.transfer._cancel import Cancel
 from executor.transfer._config import TransferConfig
 from executor.transfer._policy import AddressDenied, UrlPolicy
 from executor.transfer._session import policy_in_force
-from executor.transfer._urls import redact_url, url_host
+from executor.urls import Url
 
 logger = logging.getLogger("executor.transfer")
 
@@ -94,7 +94,7 @@ def check_status(response: requests.Response, *, body: bool = True) -> None:
 def run_attempts(
     operation: Callable[[int], T],
     *,
-    url: str,
+    url: Url,
     config: TransferConfig,
     cancel: Cancel,
     verb: str = "download",
@@ -122,7 +122,7 @@ def run_attempts(
                 logger.warning(
                     "%s of %s failed (attempt %d/%d): %s; retrying",
                     verb,
-                    redact_url(url),
+                    url,
                     attempt,
                     config.retries,
                     reason,
@@ -134,17 +134,16 @@ def run_attempts(
 def _failed(
     failure: type[DownloadFailed],
     verb: str,
-    url: str,
+    url: Url,
     reason: str,
     status: int | None,
     attempts: int,
     rule: str | None = None,
 ) -> DownloadFailed:
-    safe_url = redact_url(url)
-    message = f"{verb} of {safe_url} failed after {attempts} attempt(s): {reason}"
+    message = f"{verb} of {url} failed after {attempts} attempt(s): {reason}"
     details: dict[str, Any] = {
-        "url": safe_url,
-        "host": url_host(url),
+        "url": str(url),
+        "host": url.host,
         "status": status,
         "attempts": attempts,
         "reason": reason,
@@ -165,7 +164,7 @@ _BODY_REDIRECTS = (307, 308)
 def send(
     session: requests.Session,
     method: str,
-    url: str,
+    url: Url,
     *,
     policy: UrlPolicy,
     timeout: tuple[float, float],
@@ -186,7 +185,7 @@ def send(
             with policy_in_force(policy):
                 response = session.request(
                     method,
-                    url,
+                    url.reveal(),
                     headers=dict(headers),
                     data=body() if body is not None else None,
                     stream=True,
@@ -196,23 +195,23 @@ def send(
                 )
         except AddressDenied as exc:
             if hop:
-                exc.url = redact_url(url)
+                exc.url = str(url)
             raise
         status, location = response.status_code, response.headers.get("Location")
         if status not in _REDIRECTS or not location or (method != "GET" and status not in _BODY_REDIRECTS):
             return response
         response.close()
-        following = urljoin(url, location)
+        following = Url(urljoin(url.reveal(), location))
         if following in seen:
-            raise FinalHTTPError(f"redirect loop: {redact_url(url)} redirects to {redact_url(following)}")
+            raise FinalHTTPError(f"redirect loop: {url} redirects to {following}")
         if hop == MAX_REDIRECTS:
-            raise FinalHTTPError(f"more than {MAX_REDIRECTS} redirects (the last to {redact_url(following)})")
+            raise FinalHTTPError(f"more than {MAX_REDIRECTS} redirects (the last to {following})")
         try:
             policy.target(following)
         except InvalidRequest as exc:
             raise FinalHTTPError(f"redirect refused: {exc}", status) from None
-        if not following.lower().startswith(("http://", "https://")):
-            raise FinalHTTPError(f"redirect to {redact_url(following)} refused: not http(s)", status)
+        if following.scheme not in ("http", "https"):
+            raise FinalHTTPError(f"redirect to {following} refused: not http(s)", status)
         seen.add(following)
         url = following
     raise AssertionError("unreachable")

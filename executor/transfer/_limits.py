@@ -23,7 +23,7 @@ import threading
 from executor.errors import DownloadFailed, RoundhouseError, Stopped
 from executor.transfer._config import Head
 from executor.transfer._http import Refused
-from executor.transfer._urls import redact_url, url_host
+from executor.urls import Url
 
 
 class Limits:
@@ -31,7 +31,7 @@ class Limits:
 
     def __init__(
         self,
-        url: str,
+        url: Url,
         partial: str,
         *,
         max_bytes: int | None,
@@ -85,10 +85,14 @@ class Limits:
         return self._over(f"{what}, more than its head promises", self._head_cap)
 
     def _over(self, what: str, cap: int) -> Refused:
-        safe_url = redact_url(self.url)
-        message = f"download of {safe_url} refused: {what}, over the cap of {cap} bytes"
-        host = url_host(self.url)
-        details = {"url": safe_url, "host": host, "status": None, "rule": "max_bytes", "cap": cap}
+        message = f"download of {self.url} refused: {what}, over the cap of {cap} bytes"
+        details = {
+            "url": str(self.url),
+            "host": self.url.host,
+            "status": None,
+            "rule": "max_bytes",
+            "cap": cap,
+        }
         return Refused(DownloadFailed(message, details))
 
     # ----------------------------------------------------------------- head

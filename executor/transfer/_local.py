@@ -23,7 +23,6 @@ from executor.transfer._config import TransferConfig
 from executor.transfer._limits import Limits
 from executor.transfer._partial import ProgressMeter, discard, partial_paths
 from executor.transfer._policy import FilePath
-from executor.transfer._urls import redact_url
 
 
 class _Readable(Protocol):
@@ -65,8 +64,8 @@ def hash_file(path: str, config: TransferConfig, cancel: Cancel) -> str:
 
 
 def local_size(source: FilePath) -> int:
-    safe_url = redact_url(source.url)
-    unknown = {OSError: lambda exc: DownloadFailed(f"size of {safe_url}: {describe(exc)}", {"url": safe_url})}
+    url = source.url
+    unknown = {OSError: lambda exc: DownloadFailed(f"size of {url}: {describe(exc)}", {"url": str(url)})}
     with map_exceptions(unknown):
         fd = source.open_read()
         try:
@@ -88,11 +87,11 @@ def copy_local(
     partial, sidecar_path = partial_paths(dest)
     discard(sidecar_path)
     digest = hashlib.sha256() if hashed else None
-    safe_url = redact_url(source.url)
+    url = source.url
     failed = {
         OSError: lambda exc: DownloadFailed(
-            f"copy of {safe_url} failed: {describe(exc)}",
-            {"url": safe_url, "host": "", "status": None, "attempts": 1},
+            f"copy of {url} failed: {describe(exc)}",
+            {"url": str(url), "host": "", "status": None, "attempts": 1},
         )
     }
     # A full disk is the destination's, not the source's: StorageFull names the directory.
@@ -119,9 +118,9 @@ def copy_local(
 
 
 def upload_local(path: str, dest: FilePath, config: TransferConfig, cancel: Cancel) -> int:
-    safe_url = redact_url(dest.url)
+    url = dest.url
     failed = {
-        OSError: lambda exc: UploadFailed(f"upload to {safe_url} failed: {describe(exc)}", {"url": safe_url})
+        OSError: lambda exc: UploadFailed(f"upload to {url} failed: {describe(exc)}", {"url": str(url)})
     }
     with map_exceptions(failed):
         dir_fd = dest.open_parent(create=True)

@@ -26,7 +26,7 @@ import requests
 from executor.errors import Stopped
 from executor.transfer._config import Progress
 from executor.transfer._http import if_range
-from executor.transfer._urls import redact_url
+from executor.urls import Url
 
 logger = logging.getLogger("executor.transfer")
 
@@ -54,9 +54,10 @@ class Sidecar:
     segments: list[list[int]] | None = None
 
     @classmethod
-    def from_response(cls, url: str, response: requests.Response, total: int | None) -> Sidecar:
+    def from_response(cls, url: Url, response: requests.Response, total: int | None) -> Sidecar:
         headers = response.headers
-        return cls(redact_url(url), headers.get("ETag"), headers.get("Last-Modified"), total)
+        # The redacted form: a re-presigned URL of the same object resumes what another left.
+        return cls(str(url), headers.get("ETag"), headers.get("Last-Modified"), total)
 
     def validator(self) -> str | None:
         return if_range(self.etag, self.last_modified)
@@ -104,7 +105,7 @@ def discard(*paths: str) -> None:
             os.unlink(path)
 
 
-def resumable(url: str, partial: str, sidecar_path: str, size: int | None) -> Sidecar | None:
+def resumable(url: Url, partial: str, sidecar_path: str, size: int | None) -> Sidecar | None:
     """The sidecar of a partial file that can be resumed, or None after removing leftovers."""
     sidecar = Sidecar.load(sidecar_path)
     try:
@@ -114,7 +115,7 @@ def resumable(url: str, partial: str, sidecar_path: str, size: int | None) -> Si
     usable = (
         sidecar is not None
         and partial_bytes is not None
-        and sidecar.url == redact_url(url)
+        and sidecar.url == str(url)  # redacted, as saved
         and (size is None or sidecar.total in (None, size))
         and (sidecar.total is None or partial_bytes <= sidecar.total)
         and (sidecar.segments is None or partial_bytes == sidecar.total)

@@ -45,7 +45,7 @@ from urllib.parse import unquote, urlsplit
 from urllib3.util.connection import allowed_gai_family
 
 from executor.errors import InvalidRequest
-from executor.transfer._urls import redact_url
+from executor.urls import Url
 
 logger = logging.getLogger("executor.transfer")
 
@@ -228,7 +228,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 class FilePath:
     """A ``file://`` URL the policy accepted: ``names`` below the directory ``root``."""
 
-    url: str
+    url: Url
     root: str
     names: tuple[str, ...]
 
@@ -246,8 +246,9 @@ class FilePath:
             os.close(parent)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            safe_url = redact_url(self.url)
-            raise InvalidRequest(f"{safe_url} is not a regular file", {"url": safe_url, "rule": "file_type"})
+            raise InvalidRequest(
+                f"{self.url} is not a regular file", {"url": str(self.url), "rule": "file_type"}
+            )
         os.set_blocking(fd, True)
         return fd
 
@@ -276,9 +277,9 @@ class FilePath:
                 with contextlib.suppress(OSError):
                     if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
                         raise InvalidRequest(
-                            f"{redact_url(self.url)} goes through a symbolic link below its file root; "
+                            f"{self.url} goes through a symbolic link below its file root; "
                             "links are not followed there",
-                            {"url": redact_url(self.url), "rule": "file_link"},
+                            {"url": str(self.url), "rule": "file_link"},
                         ) from None
             raise
 
@@ -297,7 +298,7 @@ def _denied(ip: IPAddress) -> tuple[str, str] | None:
 
 @dataclass(frozen=True)
 class UrlPolicy:
-    """What URLs may name; built from Settings by :meth:`TransferConfig.from_settings`.
+    """What URLs may name; built from Settings by ``executor.configs.transfer_config``.
 
     ``resolver`` is ``socket.getaddrinfo`` but for tests, which inject one because no DNS
     server can run there.
@@ -332,34 +333,33 @@ class UrlPolicy:
 
     # ---------------------------------------------------------------- URLs
 
-    def target(self, url: str) -> str | FilePath:
+    def target(self, url: str | Url) -> Url | FilePath:
         """The HTTP(S) URL itself, or the :class:`FilePath` of a ``file://`` URL under a root.
 
         ``InvalidRequest`` for anything else: another scheme, a plain path, a ``file://`` URL
         outside the roots or with ``.``/``..`` in it.
         """
-        parts = urlsplit(url)
+        url = Url.of(url)
+        parts = urlsplit(url.reveal())  # the path of a file:// URL is read raw, and checked
         scheme = parts.scheme.lower()
         if scheme in ("http", "https"):
             if not parts.hostname:
-                raise InvalidRequest(f"URL without a host: {redact_url(url)}", {"rule": "scheme"})
+                raise InvalidRequest(f"URL without a host: {url}", {"rule": "scheme"})
             return url
         if scheme == "file":
             return self._file(url, unquote(parts.path), parts.netloc)
-        if not scheme or "://" not in url:
+        if not scheme or "://" not in url.reveal():
             raise InvalidRequest(
-                f"not a URL: {redact_url(url)} (a local file is named by a file:// URL under "
-                "ROUNDHOUSE_FILE_ROOTS)",
-                {"url": redact_url(url), "rule": "scheme"},
+                f"not a URL: {url} (a local file is named by a file:// URL under ROUNDHOUSE_FILE_ROOTS)",
+                {"url": str(url), "rule": "scheme"},
             )
         raise InvalidRequest(
-            f"unsupported URL scheme {scheme!r}: {redact_url(url)} (http, https, or file:// under "
-            "ROUNDHOUSE_FILE_ROOTS)",
-            {"url": redact_url(url), "rule": "scheme"},
+            f"unsupported URL scheme {scheme!r}: {url} (http, https, or file:// under ROUNDHOUSE_FILE_ROOTS)",
+            {"url": str(url), "rule": "scheme"},
         )
 
-    def _file(self, url: str, path: str, netloc: str) -> FilePath:
-        safe_url = redact_url(url)
+    def _file(self, url: Url, path: str, netloc: str) -> FilePath:
+        safe_url = str(url)
         if netloc not in ("", "localhost"):
             message = f"file URL with a remote host: {safe_url}"
             raise InvalidRequest(message, {"url": safe_url, "rule": "file_path"})
@@ -414,9 +414,9 @@ class UrlPolicy:
             self.check(host, address)
         return found
 
-    def check_proxied(self, url: str) -> None:
+    def check_proxied(self, url: Url) -> None:
         """Through a proxy (which resolves the name itself): the host as resolved here, when it is."""
-        host = urlsplit(url).hostname or ""
+        host = url.host
         # Not resolvable here: the operator's proxy is the gate.
         with contextlib.suppress(socket.gaierror, UnicodeError):
             self.addresses(host, 0)

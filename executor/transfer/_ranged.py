@@ -41,7 +41,7 @@ from executor.transfer._http import (
 from executor.transfer._limits import Limits
 from executor.transfer._partial import ProgressMeter, Sidecar
 from executor.transfer._session import new_session
-from executor.transfer._urls import redact_url, url_host
+from executor.urls import Url
 
 SEGMENT_ALIGN_BYTES = 64 * 1024
 # A crash loses at most this much progress per segment, and the sidecar is not
@@ -81,7 +81,7 @@ class RangedDownload:
     def __init__(
         self,
         *,
-        url: str,
+        url: Url,
         partial: str,
         sidecar_path: str,
         sidecar: Sidecar,
@@ -144,8 +144,8 @@ class RangedDownload:
         self._raise_first(errors)
         if any(start + done < end for start, end, done in self.segments):
             raise DownloadFailed(  # never a preallocated file with holes under the final name
-                f"download of {redact_url(self.url)} ended with segments missing",
-                {"url": redact_url(self.url), "host": url_host(self.url), "status": None},
+                f"download of {self.url} ended with segments missing",
+                {"url": str(self.url), "host": self.url.host, "status": None},
             )
         # The first response counts even when its probe already finished segment 0.
         return min(len(todo), self._connections()) + (first is not None and 0 not in todo)
@@ -174,9 +174,7 @@ class RangedDownload:
             stopped = cancel.stopped()
         errors = [exc for f in futures if (exc := f.exception()) is not None]
         if stopped and errors:
-            errors.insert(
-                0, Stopped(f"download of {redact_url(self.url)} stopped", {"url": redact_url(self.url)})
-            )
+            errors.insert(0, Stopped(f"download of {self.url} stopped", {"url": str(self.url)}))
         return errors
 
     @staticmethod

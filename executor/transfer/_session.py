@@ -11,11 +11,15 @@ The policy in force is the one :func:`policy_in_force` set for the calling threa
 (:func:`._http.send` does, around each request); a connection opened outside of it is
 refused. Sessions ignore the environment (``trust_env = False``): no proxy variables, no
 ``.netrc``, no CA bundle from there; a proxy comes from the policy with each request.
+
+urllib3 logs request lines and redirects, query strings and all, at DEBUG: a log filter
+installed on import scrubs them (:func:`~executor.errors.scrub`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -34,6 +38,7 @@ from urllib3.exceptions import (
 )
 from urllib3.util import connection as urllib3_connection
 
+from executor.errors import scrub
 from executor.fileio import MIB
 from executor.transfer._cancel import track
 from executor.transfer._policy import AddressDenied, UrlPolicy
@@ -43,6 +48,20 @@ from executor.transfer._policy import AddressDenied, UrlPolicy
 SEND_BLOCK_BYTES = 1 * MIB
 
 _thread_state = threading.local()
+
+
+class _RedactQueries(logging.Filter):
+    """urllib3 logs request lines and redirects with their query strings at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "?" in message:
+            record.msg, record.args = scrub(message), None
+        return True
+
+
+for _name in ("urllib3.connectionpool", "urllib3.poolmanager", "urllib3.util.retry"):
+    logging.getLogger(_name).addFilter(_RedactQueries())
 
 
 @contextlib.contextmanager

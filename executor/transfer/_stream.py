@@ -24,7 +24,6 @@ import logging
 import os
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -52,7 +51,7 @@ from executor.transfer._limits import Limits
 from executor.transfer._partial import ProgressMeter, Sidecar, discard, partial_paths, resumable
 from executor.transfer._ranged import RangedDownload, plan_segments
 from executor.transfer._session import thread_session
-from executor.transfer._urls import redact_url, url_host
+from executor.urls import Url
 
 logger = logging.getLogger("executor.transfer")
 
@@ -71,13 +70,12 @@ _origin_rates: dict[tuple[str, str, int], tuple[float, float]] = {}  # origin ->
 _origin_lock = threading.Lock()
 
 
-def _origin(url: str) -> tuple[str, str, int]:
-    parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, (parts.hostname or "").lower(), port
+def _origin(url: Url) -> tuple[str, str, int]:
+    port = url.port or (443 if url.scheme == "https" else 80)
+    return url.scheme, url.host, port
 
 
-def _known_rate(url: str) -> float | None:
+def _known_rate(url: Url) -> float | None:
     with _origin_lock:
         found = _origin_rates.get(_origin(url))
     if found is None or time.monotonic() - found[1] > ORIGIN_RATE_TTL_S:
@@ -85,7 +83,7 @@ def _known_rate(url: str) -> float | None:
     return found[0]
 
 
-def _remember_rate(url: str, rate: float) -> None:
+def _remember_rate(url: Url, rate: float) -> None:
     now = time.monotonic()
     with _origin_lock:
         # Expired entries go: every origin a broker message ever named would otherwise stay.
@@ -102,7 +100,7 @@ class Downloaded(NamedTuple):
 
 
 def download(
-    url: str,
+    url: Url,
     dest: str,
     config: TransferConfig,
     cancel: Cancel,
@@ -150,10 +148,10 @@ def download(
             discard(partial, sidecar_path)
             if restarted:
                 raise DownloadFailed(
-                    f"download of {redact_url(url)} failed: the file changed on the server twice",
-                    {"url": redact_url(url), "host": url_host(url), "status": None},
+                    f"download of {url} failed: the file changed on the server twice",
+                    {"url": str(url), "host": url.host, "status": None},
                 ) from None
-            logger.info("%s changed on the server; starting over", redact_url(url))
+            logger.info("%s changed on the server; starting over", url)
     raise AssertionError("unreachable")
 
 
@@ -172,7 +170,7 @@ class _Stream:
 
     def __init__(
         self,
-        url: str,
+        url: Url,
         dest: str,
         sidecar: Sidecar | None,
         config: TransferConfig,
@@ -270,7 +268,7 @@ class _Stream:
         else:
             if pos:
                 # The server ignored Range (or the file changed): its body starts at byte 0.
-                logger.info("%s: server answered a resume with 200; restarting", redact_url(self.url))
+                logger.info("%s: server answered a resume with 200; restarting", self.url)
                 os.ftruncate(fd, 0)
                 pos = 0
             self._mark(0)
@@ -376,7 +374,7 @@ class _Stream:
         known = _known_rate(self.url) if threshold > 0 else None
         at_once = threshold <= 0 or (known is not None and known < threshold)
         if known is not None and at_once:
-            logger.debug("%s: origin ran at %.0f MB/s: split at once", redact_url(self.url), known / 1e6)
+            logger.debug("%s: origin ran at %.0f MB/s: split at once", self.url, known / 1e6)
         end = min(self.limits.head_bytes if at_once else PROBE_BYTES, plan[0][1])
         if end <= 0:
             return 0, True
@@ -404,7 +402,7 @@ class _Stream:
         if at_once:
             return got, True
         rate = got / max(time.monotonic() - started, 1e-9)
-        logger.debug("%s: one stream at %.0f MB/s", redact_url(self.url), rate / 1e6)
+        logger.debug("%s: one stream at %.0f MB/s", self.url, rate / 1e6)
         _remember_rate(self.url, rate)
         return got, rate < threshold
 

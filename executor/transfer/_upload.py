@@ -15,10 +15,10 @@ from executor.transfer._http import check_status, run_attempts, send
 from executor.transfer._local import upload_local
 from executor.transfer._policy import FilePath
 from executor.transfer._session import SEND_BLOCK_BYTES, thread_session
-from executor.transfer._urls import redact_url
+from executor.urls import Url
 
 
-def upload(path: str, url: str, *, config: TransferConfig, abort: threading.Event | None = None) -> int:
+def upload(path: str, url: str | Url, *, config: TransferConfig, abort: threading.Event | None = None) -> int:
     """PUT the file at ``path`` to ``url``, or copy it atomically to a file:// URL under a root.
 
     Returns the bytes sent; raises ``InvalidRequest`` for a URL the policy refuses (nothing
@@ -28,10 +28,10 @@ def upload(path: str, url: str, *, config: TransferConfig, abort: threading.Even
     with Cancel(abort, url) as cancel:
         if isinstance(target, FilePath):
             return upload_local(path, target, config, cancel)
-        return _upload_http(path, url, config, cancel)
+        return _upload_http(path, target, config, cancel)
 
 
-def check_url(url: str, *, config: TransferConfig) -> None:
+def check_url(url: str | Url, *, config: TransferConfig) -> None:
     """Refuse now a URL that :func:`upload` or :func:`fetch` would refuse before connecting
     (another scheme, a plain path, a ``file://`` URL outside the roots): ``InvalidRequest``.
 
@@ -57,10 +57,9 @@ class _UploadBody:
         return self._source.read(count if count > 0 else SEND_BLOCK_BYTES)
 
 
-def _upload_http(path: str, url: str, config: TransferConfig, cancel: Cancel) -> int:
-    safe_url = redact_url(url)
+def _upload_http(path: str, url: Url, config: TransferConfig, cancel: Cancel) -> int:
     unreadable = {
-        OSError: lambda exc: UploadFailed(f"upload to {safe_url} failed: {describe(exc)}", {"url": safe_url})
+        OSError: lambda exc: UploadFailed(f"upload to {url} failed: {describe(exc)}", {"url": str(url)})
     }
     with map_exceptions(unreadable):
         size_bytes = os.path.getsize(path)

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from executor import Executor, transfer
+from executor.configs import transfer_config
 from executor.errors import DownloadFailed
 from executor.results import ExecutorState
 from executor.shards import ShardCache, ShardDescriptor, ShardSession
@@ -39,7 +40,7 @@ from tests.support.engine import TRAIN_CODE, make_shards, mlp_state
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK_RANGE = "bytes=0-0"
-FAST = transfer.TransferConfig.from_settings(
+FAST = transfer_config(
     Settings(download_retries=2, download_backoff_s=0.01, read_timeout_s=10, url_allow=["127.0.0.1"])
 )
 

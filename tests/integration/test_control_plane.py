@@ -1,5 +1,5 @@
 """Only the orchestrator commands a worker (DESIGN §11), against real parts: a Redis 7 over TLS
-with the ACL users of ``tasks.acl``, real ``roundhouse worker`` processes that trust only the
+with the ACL users of ``tasks.trust.acl``, real ``roundhouse worker`` processes that trust only the
 session's orchestrator certificate, and an attacker who holds the orchestrator's Redis
 credentials (everything but its signing key).
 
@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from orchestrator.collect import Deadline, Ending, Waiter
 from settings import Settings
 from tasks.client import RoundClient
-from tasks.keys import DevKeys, init_keys
-from tasks.signing import Signer
+from tasks.trust.keys import DevKeys, init_keys
+from tasks.trust.signing import Signer
 from tests.conftest import SESSION_KEYS
 from tests.support.engine import make_shards, mlp_state, shard_descriptors
 from tests.support.forgery import payload_parts, with_signed_json

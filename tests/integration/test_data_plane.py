@@ -196,6 +196,8 @@ def test_a_sync_delta_bomb_falls_back_without_growing_the_child(worker, served, 
     ).get(timeout=120)
     assert applied["via"] == "full" and applied["model_hash"] == state_hash(mlp_state(1)), applied
     assert applied.get("fallback_reason"), applied
+    # The task's result carries the fallback's error as {code, message, details?}.
+    assert applied["fallback"]["code"] == "bad_artifact" and applied["fallback"]["message"], applied
     assert worker.child_pid() == child
     assert _peak_rss_mb(child) - before < 128, "the bomb was decoded in memory"
     assert not work_files(worker)

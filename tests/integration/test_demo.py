@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from tasks.embedded_redis import tls_binary
-from tasks.keys import DevKeys
+from tasks.trust.keys import DevKeys
 from tests.support.worker import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,7 +22,8 @@ def test_demo_trains_and_plots(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDHOUSE_")}
     out = tmp_path / "demo"
     run = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "demo", "--rounds", "4", "--steps", "20", "--out", str(out)],
+        [sys.executable, "-m", "orchestrator.cli", "demo", "--rounds", "4", "--steps", "20",
+         "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -1,5 +1,5 @@
 """A worker's events take bounded broker memory (DESIGN §5, §12), against real parts: a Redis 7
-over TLS with the ACL users of ``tasks.acl`` (the byte bound is kept with a worker's own
+over TLS with the ACL users of ``tasks.trust.acl`` (the byte bound is kept with a worker's own
 commands), a real ``roundhouse worker``, and a tenant that spends its full legal budget.
 
 - a tenant emitting its whole per-round budget of stats and logs, round after round, leaves the

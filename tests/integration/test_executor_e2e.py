@@ -108,6 +108,9 @@ def test_fallbacks_corrupt_delta_wrong_base_and_missing_base(env) -> None:
     )
     assert corrupt.via is ApplyVia.FULL and corrupt.model_hash == sync.result_hash
     assert "bad_artifact" in (corrupt.fallback_reason or "")
+    # Why, as every other result says it: a code to branch on, not text to parse.
+    assert corrupt.fallback is not None and corrupt.fallback.code == "bad_artifact", corrupt
+    assert corrupt.to_json()["fallback"]["code"] == "bad_artifact"
     assert file_state_hash(ex.session.model_path) == sync.result_hash
 
     # Wrong base: the local model is now sync.result, not the base of this next delta.
@@ -123,6 +126,8 @@ def test_fallbacks_corrupt_delta_wrong_base_and_missing_base(env) -> None:
     assert wrong.via is ApplyVia.FULL and wrong.model_hash == sync2.result_hash
     assert server.count("sync.zst") == 0, "a known-wrong base must not even download the delta"
     assert "base" in (wrong.fallback_reason or "")
+    assert wrong.fallback is not None and wrong.fallback.code == "hash_mismatch", wrong
+    assert wrong.fallback.details == {"expected": sync2.base_hash, "got": sync.result_hash}
 
     # Missing base: a fresh executor has no model at all.
     fresh = new_executor(settings, {})
@@ -133,6 +138,8 @@ def test_fallbacks_corrupt_delta_wrong_base_and_missing_base(env) -> None:
         result_hash=sync.result_hash,
     )
     assert missing.via is ApplyVia.FULL and missing.model_hash == sync.result_hash
+    assert missing.fallback is not None and missing.fallback.code == "no_base_model", missing
+    assert missing.to_json()["fallback"] == {"code": "no_base_model", "message": "no local base model"}
     ex.shutdown()
     fresh.shutdown()
 

@@ -1,6 +1,6 @@
 """A hostile broker (DESIGN §11): whoever holds a Redis password — a worker's own ACL user, or
 the orchestrator's — but no signing key, against real parts: a Redis 7 over TLS with the ACL
-users of ``tasks.acl`` and real ``roundhouse worker`` processes.
+users of ``tasks.trust.acl`` and real ``roundhouse worker`` processes.
 
 - A finished signed message stays finished when Redis forgets its nonce (deleted with the
   worker's own credentials, or lost by Redis), across a worker restart; a message neither
@@ -27,11 +27,11 @@ import redis
 
 from orchestrator.local import LocalWorker
 from settings import Settings
-from tasks.acl import worker_rules
 from tasks.client import RoundClient
 from tasks.names import heartbeat_key, nonce_key
 from tasks.replay import LEDGER_NAME, ledger_dir
-from tasks.signing import SEP
+from tasks.trust.acl import worker_rules
+from tasks.trust.signing import SEP
 from tests.conftest import SESSION_KEYS
 from tests.support.rounds import event_seq
 from tests.support.secure_redis import SecureRedis, tls_binary

@@ -134,7 +134,7 @@ def test_training_survives_lost_hosts_a_cut_link_a_joiner_and_its_own_restart(
     (tmp_path / "train.py").write_text(SCRIPT)
     state, out = tmp_path / "state", tmp_path / "out"
     argv = [
-        sys.executable, "-m", "tasks.cli", "train", "--model", str(tmp_path / "model.safetensors"),
+        sys.executable, "-m", "orchestrator.cli", "train", "--model", str(tmp_path / "model.safetensors"),
         "--script", str(tmp_path / "train.py"), "--shards", str(tmp_path / "shards"), "--hosts", "4",
         "--rounds", str(ROUNDS), "--steps", "12", "--tenant", "mh",
         "--params", json.dumps({"lr": 0.2, "step_sleep_s": 0.15}), "--outer-lr", "0.8",

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from settings import Settings
 from tasks.client import RoundClient
 from tasks.embedded_redis import tls_binary
-from tasks.keys import DevKeys
+from tasks.trust.keys import DevKeys
 from tests.support.engine import TRAIN_CODE, make_shards, mlp_state, shard_descriptors
 from tests.support.http_server import FaultServer
 from tests.support.redis_server import free_port

@@ -107,7 +107,7 @@ def test_the_demo_trains_bit_exact_on_s3(worker, redis_server, proxy, tmp_path: 
         ROUNDHOUSE_S3_SECRET_KEY=SECRET_KEY, ROUNDHOUSE_HOST_ID="demo-orchestrator",
     )  # fmt: skip
     run = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "demo", "--workers", "1", "--rounds", "4", "--steps", "20",
+        [sys.executable, "-m", "orchestrator.cli", "demo", "--workers", "1", "--rounds", "4", "--steps", "20",
          "--out", str(tmp_path / "demo")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip

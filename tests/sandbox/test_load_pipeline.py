@@ -1,4 +1,4 @@
-"""``load_model``'s parallel pipeline (executor/loading.py) with the real sandbox: the runner
+"""``load_model``'s parallel pipeline (executor/session/_loading.py) with the real sandbox: the runner
 started beside the download is the one the rounds use, and every way a load can end badly
 (a bad model, a bad shard, a stop mid-download) leaves the previous session working, no
 helper thread behind and no runner but the session's."""

@@ -13,17 +13,15 @@ from __future__ import annotations
 import json
 import sys
 
+from executor.configs import transfer_config
 from executor.errors import RoundhouseError
 from executor.shards import ShardCache, ShardDescriptor
-from executor.transfer import TransferConfig
 from settings import Settings
 
 
 def main(argv: list[str]) -> int:
     root, limit, tenant, *urls = argv
-    config = TransferConfig.from_settings(
-        Settings(download_retries=3, download_backoff_s=0.01, url_allow=["127.0.0.1"])
-    )
+    config = transfer_config(Settings(download_retries=3, download_backoff_s=0.01, url_allow=["127.0.0.1"]))
     cache = ShardCache(root, int(limit), transfer_config=config, wait_timeout_s=60)
     pins = []
     try:

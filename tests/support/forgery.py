@@ -3,7 +3,7 @@ to a signed message (tests/unit/test_gate.py, tests/integration/test_control_pla
 
 A message in a Redis queue is JSON whose ``body`` is base64 of the auth serializer's payload,
 itself base64: signer, signature, content type, encoding and the signed JSON, joined by
-``tasks.signing.SEP``.
+``tasks.trust.signing.SEP``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from tasks.signing import SEP
+from tasks.trust.signing import SEP
 
 
 def payload_parts(message: dict[str, Any]) -> list[bytes]:

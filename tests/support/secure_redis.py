@@ -1,4 +1,4 @@
-"""A Redis as deployed off loopback (DESIGN §11): TLS only, ACL users from ``tasks.acl``.
+"""A Redis as deployed off loopback (DESIGN §11): TLS only, ACL users from ``tasks.trust.acl``.
 
 It needs a ``redis-server`` with TLS and ACL selectors (Redis 7: Debian's; ``make test``
 installs it). The server certificate is the session's development one (tests/conftest.py),
@@ -17,9 +17,9 @@ import redis
 
 from orchestrator.local import free_port
 from settings.config import with_tls_ca
-from tasks.acl import acl_file
 from tasks.embedded_redis import tls_binary, tls_flags
-from tasks.keys import DevKeys
+from tasks.trust.acl import acl_file
+from tasks.trust.keys import DevKeys
 
 __all__ = ["SecureRedis", "tls_binary"]
 

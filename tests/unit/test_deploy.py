@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.cli import command_parser
+from orchestrator.cli import command_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,7 +148,7 @@ def private_keys(directory: Path) -> list[str]:
 
 
 def test_compose_gives_workers_and_flower_no_orchestrator_or_ca_key(compose: dict, tmp_path: Path) -> None:
-    from tasks.keys import init_keys
+    from tasks.trust.keys import init_keys
 
     services = compose["services"]
     # The keys service lays out `roundhouse keys init DIR`, one volume per role directory.
@@ -221,8 +221,8 @@ def test_procfile_gives_the_worker_and_flower_their_role_keys_only(
 ) -> None:
     from settings import Settings
     from tasks.cli import role_env
-    from tasks.gate import startup_warnings
-    from tasks.keys import init_keys
+    from tasks.trust.gate import startup_warnings
+    from tasks.trust.keys import init_keys
 
     keys, _ = init_keys(tmp_path / "keys")
     for name, role in (("worker", "worker"), ("flower", "flower")):
@@ -256,7 +256,7 @@ def test_procfile_gives_the_worker_and_flower_their_role_keys_only(
 
 def test_the_signing_key_warning_fires_for_a_worker_even_with_a_keys_dir(tmp_path: Path) -> None:
     from settings import Settings
-    from tasks.gate import startup_warnings
+    from tasks.trust.gate import startup_warnings
 
     worker = Settings(keys_dir=str(tmp_path / "keys"), broker_url="redis://127.0.0.1:6379/0")
     assert worker.signing_key and worker.trusted_certs  # what ROUNDHOUSE_KEYS_DIR hands it
@@ -298,8 +298,8 @@ def test_flower_accepts_a_password_of_your_own() -> None:
 
 
 def test_a_worker_trusts_flowers_pair_for_control_commands_only(tmp_path: Path) -> None:
-    from tasks.keys import init_keys
-    from tasks.signing import Refused, Signer, Verifier
+    from tasks.trust.keys import init_keys
+    from tasks.trust.signing import Refused, Signer, Verifier
 
     keys, _ = init_keys(tmp_path / "keys")
     verifier = Verifier(str(keys.worker_trusted), str(keys.worker_control))  # a worker's, by role
@@ -315,8 +315,8 @@ def test_a_worker_trusts_flowers_pair_for_control_commands_only(tmp_path: Path) 
 def test_keys_made_before_the_role_directories_get_them_once_under_a_race(tmp_path: Path) -> None:
     # A var/keys of an earlier version (no role directories) that the Procfile's three
     # processes fill at once: one Flower pair, whose key and certificate belong together.
-    from tasks.keys import ROLES, DevKeys, init_keys
-    from tasks.signing import Signer
+    from tasks.trust.keys import ROLES, DevKeys, init_keys
+    from tasks.trust.signing import Signer
 
     keys, _ = init_keys(tmp_path / "keys")
     for role in ROLES:

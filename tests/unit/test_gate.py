@@ -1,4 +1,4 @@
-"""The worker's gate (tasks/gate.py), fast: the real ``Gate`` bootstep around the least of a
+"""The worker's gate (tasks/trust/gate.py), fast: the real ``Gate`` bootstep around the least of a
 consumer it reads, real task messages (sent by ``RoundClient`` with the session's orchestrator
 key, or by an attacker or an impostor, carried by a real Redis and read back as kombu delivers
 them to a worker), handed to the task strategies the gate wraps, as Celery's consumer hands them.
@@ -27,14 +27,14 @@ from kombu.message import Message
 
 from settings import Settings, celery_config
 from settings.celery import unacked_keys
-from tasks import gate as gate_module
 from tasks.client import RoundClient
 from tasks.events import Event
-from tasks.gate import Gate
-from tasks.keys import init_keys
 from tasks.names import ENVELOPE_KEY, TASK_NAMES, nonce_key, queue_name, stream_name
-from tasks.signed_app import SignedCelery
-from tasks.signing import ControlEnvelope, Signer, new_nonce
+from tasks.trust import gate as gate_module
+from tasks.trust.gate import Gate
+from tasks.trust.keys import init_keys
+from tasks.trust.signed_app import SignedCelery
+from tasks.trust.signing import ControlEnvelope, Signer, new_nonce
 from tests.conftest import SESSION_KEYS
 from tests.support.forgery import payload_parts, with_signed_json
 from tests.support.redis_server import RedisServer
@@ -160,8 +160,7 @@ def worker(
     )
     app = SignedCelery(host, set_as_current=False)
     app.conf.update(celery_config(settings))
-    app.use_settings(settings)
-    monkeypatch.setattr(gate_module, "get_settings", lambda: settings)  # Celery builds the step itself
+    app.use_settings(settings)  # what the gate reads (Celery builds the step itself, from the app)
     monkeypatch.setattr(gate_module, "_active", None)
     connection = app.connection_for_read()  # the worker's own transport options (its in-flight keys)
     reached: list[Delivery] = []

@@ -14,15 +14,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = ("executor", "tasks", "orchestrator", "settings")
 CALLERS = ("bench", "scripts", "tests")  # import the project, are imported by nothing in it
+HOUSE = ("settings", "executor", "tasks", "orchestrator")  # the floors, lowest first
 
-GROUND_FLOOR = ("errors", "results", "fileio", "workdir", "stopping", "tensorfile", "torchzip")
-PACKAGES = ("transfer", "delta", "shards", "artifacts", "rounds", "sandbox")
+GROUND_FLOOR = ("errors", "results", "fileio", "workdir", "urls", "stopping", "tensorfile", "torchzip")
+PACKAGES = ("transfer", "delta", "shards", "artifacts", "rounds", "sandbox", "session")
 
 # Where each part of the engine stands: a module imports only parts of a lower rank (or its own).
 RANKS = {
     "executor.errors": 0,
     "executor.fileio": 0,
     "executor.workdir": 0,
+    "executor.urls": 0,
     "executor.results": 1,
     "executor.stopping": 1,
     "executor.tensorfile": 1,
@@ -35,9 +37,9 @@ RANKS = {
     "executor.shards": 4,
     "executor.rounds": 5,
     "executor.sandbox": 6,
-    "executor.modelfile": 7,
-    "executor.session": 8,
-    "executor.loading": 9,
+    "executor.session": 7,
+    "executor.configs": 8,  # reads the settings, the only engine module besides the facade
+    "executor.assembly": 9,
     "executor.core": 10,
     "executor": 11,  # the package: errors and results eagerly, Executor lazily
 }
@@ -62,6 +64,7 @@ WHITE_BOX = {
     # A watchdog that breaks (its quota walk raising) must end the sandbox: the break is injected.
     ("tests.sandbox.test_deep_tree", "executor.sandbox._supervisor"),
     ("tests.unit.test_trees", "executor.sandbox._result"),  # the watchdog's quota walk, alone
+    ("tests.unit.test_trees", "executor.session._model"),  # a bundle's chmod walk, on a deep tree
     # The seccomp programs of both architectures, run by hand; their numbers against libseccomp's.
     ("tests.sandbox.test_seccomp", "executor.sandbox._seccomp"),
     # The unshare launch where bwrap is the default: its probe, and the paths it must reach.
@@ -161,7 +164,7 @@ def test_the_graph_sees_hidden_imports() -> None:
     # The checker itself: an import inside a function and one under TYPE_CHECKING are edges.
     edges = graph(PROJECT)
     assert "executor.core" in edges["executor"], "executor/__init__ imports Executor lazily"
-    assert "settings" in edges["executor.transfer._config"], "Settings is imported for typing only"
+    assert "settings" in edges["tasks.events"], "Settings is imported for typing only"
 
 
 def test_no_import_cycle() -> None:
@@ -195,6 +198,23 @@ def test_the_engine_imports_downward_only() -> None:
             same_part = there == here and (module + ".").startswith(_part(target) + ".")
             if there is not None and here is not None and there >= here and not same_part:
                 upward.append(f"{module} (rank {here}) imports {target} (rank {there})")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_house_imports_downward_only() -> None:
+    # DESIGN §2's floors: settings is read by all, the engine knows no glue, the glue no
+    # orchestrator (the `roundhouse` command that reaches both stands in orchestrator/cli.py).
+    # The callers (bench, scripts, tests) stand above the house: nothing in it imports them.
+    def floor(module: str) -> int:
+        top = module.split(".")[0]
+        return HOUSE.index(top) if top in HOUSE else len(HOUSE)
+
+    upward = [
+        f"{module} imports {target}"
+        for module, targets in graph(HOUSE).items()
+        for target in targets
+        if floor(target) > floor(module)
+    ]
     assert not upward, "\n".join(sorted(upward))
 
 
@@ -317,3 +337,36 @@ def test_a_private_name_is_imported_only_inside_its_package() -> None:
                 if not (module + ".").startswith(owner + "."):
                     wrong.append(f"{module} imports {node.module}.{alias.name}")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+# The session's room and the facade over it (issue 27): each well inside the rails, so that the
+# next feature lands in a module with room for it rather than squeezed against a limit.
+FACADE_MAX_LINES = 350
+ROOM_FUNCTION_MAX_LINES = 60
+ROOMY = ("executor.session", "executor.core", "executor.assembly", "executor.configs")
+
+
+def test_the_facade_is_thin_and_the_session_has_room() -> None:
+    crowded = []
+    for module, path in sources(("executor",)).items():
+        text = path.read_text(encoding="utf-8")
+        if module == "executor.core" and text.count("\n") > FACADE_MAX_LINES:
+            crowded.append(f"{module}: {text.count(chr(10))} lines (the facade: at most {FACADE_MAX_LINES})")
+        if not any((module + ".").startswith(room + ".") for room in ROOMY):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > ROOM_FUNCTION_MAX_LINES:
+                    crowded.append(f"{module}.{node.name}: {length} lines")
+    assert not crowded, "\n".join(crowded)
+
+
+def test_only_the_facade_reads_the_settings() -> None:
+    # DESIGN §10: each part gets its config built once (executor.configs); none reads Settings.
+    readers = sorted(
+        module
+        for module, targets in graph(("executor",)).items()
+        if any(t == "settings" or t.startswith("settings.") for t in targets)
+    )
+    assert readers == ["executor", "executor.configs", "executor.core"], readers

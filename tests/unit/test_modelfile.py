@@ -10,11 +10,22 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save_file
 
+from executor.configs import model_limits, transfer_config
 from executor.delta import state_hash
 from executor.fileio import RETIRED_SUFFIX, replace_retiring
-from executor.modelfile import ModelFiles, model_fingerprint
+from executor.session import ModelFiles, model_fingerprint
 from settings import Settings
 from tests.support.engine import mlp_state
+
+
+def _model_files(work_dir: Path) -> ModelFiles:
+    settings = Settings()
+    return ModelFiles(
+        str(work_dir),
+        model_limits(settings),
+        transfer_config=transfer_config(settings),
+        abort=threading.Event(),
+    )
 
 
 def _retired(directory: Path) -> list[str]:
@@ -57,14 +68,14 @@ def test_nothing_to_replace_and_a_failed_replace_leave_the_target(tmp_path: Path
 
 
 def test_start_up_removes_a_file_left_retired_by_a_crash(tmp_path: Path) -> None:
-    models = ModelFiles.for_settings(str(tmp_path), Settings(), abort=threading.Event())
+    models = _model_files(tmp_path)
     left = Path(models.model_dir) / f".model.safetensors.0123456789ab{RETIRED_SUFFIX}"
     left.write_bytes(b"x")
     assert models.clean_leftovers() == 1 and not left.exists()
 
 
 def test_a_recorded_hash_is_trusted_only_for_its_file_in_its_boot(tmp_path: Path) -> None:
-    models = ModelFiles.for_settings(str(tmp_path), Settings(), abort=threading.Event())
+    models = _model_files(tmp_path)
     state = mlp_state()
     save_file(state, models.model_path)
     recorded = list(model_fingerprint(models.model_path))

@@ -19,6 +19,7 @@ import torch
 import zstandard
 
 from executor import transfer
+from executor.configs import transfer_config
 from executor.delta import state_hash, write_delta
 from orchestrator.aggregate import DeltaFolder, DeltaRejected, RunningMean
 from orchestrator.artifacts import ArtifactServer
@@ -62,7 +63,7 @@ def test_ranges_and_atomic_puts_work_with_the_executors_transfer(
     url = store.publish("big", tmp_path / "big")
     ranged = requests.get(url, headers={"Range": "bytes=10-19"}, timeout=10)
     assert ranged.status_code == 206 and ranged.content == data[10:20]
-    config = transfer.TransferConfig.from_settings(
+    config = transfer_config(
         Settings(
             parallel_min_bytes=1 << 20,
             parallel_connections=3,
@@ -378,7 +379,7 @@ def test_a_host_whose_heartbeat_expires_is_lost_within_the_ttl_plus_a_second(bea
 
 
 def _refuse(client: RoundClient, host: str, task_id: str, reason: str = "untrusted_signer") -> None:
-    """A refusal as ``host``'s gate publishes it (tasks.gate.Refusals)."""
+    """A refusal as ``host``'s gate publishes it (tasks.trust.gate.Refusals)."""
     name = "roundhouse.run_round"
     data = {"event": "refused", "kind": "task", "reason": reason, "detail": "test", "name": name}
     event = Event(type="state", host=host, data=data, task_id=task_id, task=name, ts=time.time())

@@ -21,14 +21,14 @@ import pytest
 import torch
 import zstandard
 
+from executor.configs import transfer_config
 from executor.errors import BadArtifact, CacheTooSmall, DownloadFailed, InvalidRequest, ShardIndexError
 from executor.shards import Origin, ShardCache, ShardDescriptor, ShardSession
-from executor.transfer import TransferConfig
 from settings import Settings
 from tests.support.http_server import FaultServer
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = TransferConfig.from_settings(
+FAST = transfer_config(
     Settings(download_retries=3, download_backoff_s=0.01, read_timeout_s=10, url_allow=["127.0.0.1"])
 )
 SHARD_ELEMS = 64 * 1024  # 256 KiB of float32 per shard (plus torch's zip overhead)

@@ -1,4 +1,4 @@
-"""The signed control plane's parts (tasks/signing.py, tasks/gate.py, tasks/keys.py, tasks/acl.py):
+"""The signed control plane's parts (tasks/trust/: signing.py, gate.py, keys.py, acl.py):
 Celery's own wire format both ways, what an envelope binds, the replay store on a real Redis,
 the start-up policy, the keys and the ACL file (parsed by a real redis-server where one with
 selectors is installed). The whole path with real workers: tests/integration/test_control_plane.py.
@@ -19,12 +19,12 @@ from celery.security.serialization import SecureSerializer
 
 from settings import Settings, celery_config
 from tasks import replay
-from tasks.acl import acl_file
 from tasks.embedded_redis import tls_binary
-from tasks.gate import is_loopback, startup_problem
-from tasks.keys import DevKeys, init_keys
 from tasks.replay import LEDGER_NAME, NonceLedger, ReplayStore
-from tasks.signing import SEP, Refused, Signer, TaskEnvelope, Verifier, check_task, check_times
+from tasks.trust.acl import acl_file
+from tasks.trust.gate import is_loopback, startup_problem
+from tasks.trust.keys import DevKeys, init_keys
+from tasks.trust.signing import SEP, Refused, Signer, TaskEnvelope, Verifier, check_task, check_times
 from tests.conftest import SESSION_KEYS
 from tests.support.redis_server import RedisServer
 
@@ -277,5 +277,5 @@ def test_the_shipped_acl_template_is_what_the_generator_makes() -> None:
     hosts = ["gpu-host-0", "cpu-host-0"]
     expected = acl_file({f"worker-{h}": None for h in hosts} | {"orchestrator": None}, hosts)
     assert template == expected, (
-        "regenerate: python -m tasks.acl --template --worker gpu-host-0 --worker cpu-host-0"
+        "regenerate: python -m tasks.trust.acl --template --worker gpu-host-0 --worker cpu-host-0"
     )

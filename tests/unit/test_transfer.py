@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from executor.configs import transfer_config
 from executor.errors import DownloadFailed, HashMismatch, InvalidRequest, Stopped, UploadFailed
 from executor.fileio import MIB
 from executor.stopping import StopSignal
@@ -41,7 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST_SETTINGS = dict(
     download_retries=3, download_backoff_s=0.01, read_timeout_s=20.0, download_buffer_bytes=64 * 1024
 )
-FAST = TransferConfig.from_settings(Settings(**FAST_SETTINGS))
+FAST = transfer_config(Settings(**FAST_SETTINGS))
 # A stop that reached a stalled transfer ends it in milliseconds; one that did not would wait
 # for the read timeout (20 s or 60 s below) or the backoff (30 s). The bound sits well between,
 # generous for a loaded 2-core CI machine.
@@ -50,7 +51,7 @@ STOP_BOUND_S = 8.0
 
 def _rooted(*roots: Path) -> TransferConfig:
     """FAST, with file:// URLs allowed under ``roots``."""
-    return TransferConfig.from_settings(Settings(**FAST_SETTINGS, file_roots=[str(root) for root in roots]))
+    return transfer_config(Settings(**FAST_SETTINGS, file_roots=[str(root) for root in roots]))
 
 
 def _write_random(path: Path, size_bytes: int) -> str:
@@ -342,7 +343,7 @@ def test_unsupported_scheme(out: Path) -> None:
 
 
 def _parallel_config(connections: int) -> TransferConfig:
-    return TransferConfig.from_settings(
+    return transfer_config(
         Settings(
             download_retries=3,
             download_backoff_s=0.01,
@@ -452,9 +453,10 @@ def test_parallel_stops_on_a_plain_event(server: FaultServer, root: Path, out: P
 
 _CHILD = """
 import sys
-from executor.transfer import TransferConfig, fetch
+from executor.configs import transfer_config
+from executor.transfer import fetch
 from settings import Settings
-config = TransferConfig.from_settings(Settings(
+config = transfer_config(Settings(
     download_retries=1, read_timeout_s=60, download_buffer_bytes={buffer}, parallel_min_bytes={min_bytes},
     parallel_connections={connections}, parallel_below_bytes_s={below}))
 fetch(sys.argv[1], sys.argv[2], config=config)
@@ -589,7 +591,7 @@ def test_stop_signal_aborts_a_stalled_read(server: FaultServer, blob: tuple[str,
     relpath, _ = blob
     server.add_fault(relpath, "stall", after_bytes=1 * MIB)
     signal_ = StopSignal()
-    config = TransferConfig.from_settings(
+    config = transfer_config(
         Settings(
             download_retries=3, download_backoff_s=0.01, read_timeout_s=60.0, download_buffer_bytes=64 * 1024
         )
@@ -612,7 +614,7 @@ def test_a_connection_gone_silent_is_given_up_after_the_speed_floors_window(
     server.add_fault(relpath, "stall", after_bytes=1 * MIB)
     silent = dict(FAST_SETTINGS, read_timeout_s=300.0)
     floor = dict(download_low_speed_bytes_s=1024, download_low_speed_time_s=1.0)
-    config = TransferConfig.from_settings(Settings(**silent, **floor))
+    config = transfer_config(Settings(**silent, **floor))
     started = time.monotonic()
     try:
         fetch(server.url(relpath), str(out / "f"), config=config, sha256=digest)
@@ -629,7 +631,7 @@ def test_abort_during_backoff(server: FaultServer, blob: tuple[str, str], out: P
     relpath, _ = blob
     server.add_fault(relpath, "status", code=503, times=-1)
     abort = threading.Event()
-    config = TransferConfig.from_settings(Settings(download_retries=3, download_backoff_s=30.0))
+    config = transfer_config(Settings(download_retries=3, download_backoff_s=30.0))
     timer = threading.Timer(0.3, abort.set)
     timer.start()
     started = time.monotonic()
@@ -658,9 +660,7 @@ def test_file_changed_on_server_starts_over(server: FaultServer, root: Path, out
         fetch(
             server.url("c.bin"),
             str(dest),
-            config=TransferConfig.from_settings(
-                Settings(download_retries=1, download_buffer_bytes=64 * 1024)
-            ),
+            config=transfer_config(Settings(download_retries=1, download_buffer_bytes=64 * 1024)),
         )
     assert os.path.getsize(partial_paths(str(dest))[0]) == 1 * MIB
     new_digest = _write_random(root / "c.bin", 3 * MIB)  # another size: another ETag
@@ -788,11 +788,11 @@ def test_redact_url() -> None:
 
 def test_config_from_settings() -> None:
     settings = Settings(download_retries=5, download_backoff_s=0.5, parallel_connections=3)
-    config = TransferConfig.from_settings(settings)
+    config = transfer_config(settings)
     assert (config.retries, config.backoff_s, config.parallel_connections) == (5, 0.5, 3)
     assert config.buffer_bytes == settings.download_buffer_bytes
     with pytest.raises(ValueError):
-        TransferConfig.from_settings(Settings(download_retries=0))
+        transfer_config(Settings(download_retries=0))
 
 
 def test_remote_size(server: FaultServer, root: Path, blob: tuple[str, str]) -> None:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from executor import fileio, modelfile
+from executor import fileio
 from executor.errors import BadArtifact
 from executor.fileio import TREE_MAX_DEPTH, TreeTooDeep, empty_dir, remove_tree, walk_tree
 from executor.sandbox import _result as result
+from executor.session import _model as modelfile
 
 PATH_MAX = os.pathconf("/", "PC_PATH_MAX")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from executor.configs import transfer_config
 from executor.errors import BadArtifact, DownloadFailed, InvalidRequest, UploadFailed
 from executor.fileio import MIB
 from executor.transfer import TransferConfig, fetch, partial_paths, remote_size, upload
@@ -35,9 +36,7 @@ DATA = os.urandom(3 * MIB + 17)
 def config(*, allow: Sequence[str] = (), roots: Sequence[Path] = (), **settings: Any) -> TransferConfig:
     base: dict[str, Any] = dict(download_retries=3, download_backoff_s=0.01, read_timeout_s=20.0)
     base.update(settings)
-    return TransferConfig.from_settings(
-        Settings(url_allow=list(allow), file_roots=[str(root) for root in roots], **base)
-    )
+    return transfer_config(Settings(url_allow=list(allow), file_roots=[str(root) for root in roots], **base))
 
 
 class FakeDNS:

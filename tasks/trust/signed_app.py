@@ -1,4 +1,4 @@
-"""The signed Celery app of Roundhouse's processes (DESIGN §11), built on :mod:`tasks.signing`.
+"""The signed Celery app of Roundhouse's processes (DESIGN §11), built on :mod:`tasks.trust.signing`.
 
 - :class:`SignedCelery`: with signing settings, every task it sends (``send_task``, and so
   ``apply_async``, Flower's task API, ``celery call``) is signed and carries its envelope;
@@ -7,7 +7,9 @@
   ``shutdown``, ``inspect`` …) signed with their envelope, replies as JSON both ways (a
   worker has no key, and what it answers is not a command).
 - :class:`GatedNode`: the worker's end of the mailbox, which hands every command to the
-  worker's gate (:mod:`tasks.gate`) before it runs.
+  worker's gate (:mod:`tasks.trust.gate`) before it runs.
+- :func:`app_settings`: the Settings an app was built with, which its bootsteps read (Celery
+  builds them itself, from the app, so the app is how they reach the settings).
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import Any
 
 from celery import Celery
 from celery.app.control import Control
+from celery.exceptions import ImproperlyConfigured
 from celery.utils.log import get_logger
 from kombu.pidbox import Mailbox, Node
 
 from settings import Settings
 from settings.celery import AUTH_CONTENT_TYPE
 from tasks.names import ENVELOPE_KEY
-from tasks.signing import (
+from tasks.trust.signing import (
     NO_KEY,
     ControlEnvelope,
     Security,
@@ -55,10 +58,12 @@ class SignedCelery(Celery):
     ``celery call``), and its control commands too (``SignedControl``); without them it is
     plain Celery."""
 
-    control_cls = "tasks.signed_app:SignedControl"
+    control_cls = "tasks.trust.signed_app:SignedControl"
     roundhouse_security: Security | None = None
+    roundhouse_settings: Settings | None = None
 
     def use_settings(self, settings: Settings) -> SignedCelery:
+        self.roundhouse_settings = settings
         security = load_security(settings)
         self.roundhouse_security = security
         if security is not None and security.verifier is not None:
@@ -92,8 +97,21 @@ class SignedCelery(Celery):
         return super().send_task(name, args, signed_kwargs, task_id=task_id, **options)
 
 
+def app_settings(app: Any) -> Settings:
+    """The Settings ``app`` was built with (:meth:`SignedCelery.use_settings`): a bootstep's
+    ``parent.app`` carries them, not the process's global ones, which a test or a second app
+    in one process may not share."""
+    settings = getattr(app, "roundhouse_settings", None)
+    if settings is None:
+        # Every app whose worker runs Roundhouse's bootsteps is built by tasks.app.create_app.
+        raise ImproperlyConfigured(
+            f"the Celery app {app.main!r} carries no Roundhouse settings (use_settings)"
+        )
+    return settings
+
+
 class GatedNode(Node):
-    """The worker's end of the control mailbox: a gate (``tasks.gate``), when the worker has
+    """The worker's end of the control mailbox: a gate (``tasks.trust.gate``), when the worker has
     one, sees every command before it runs, and takes its envelope off."""
 
     def handle_message(self, body: Any, message: Any = None) -> Any:

@@ -1,7 +1,7 @@
 """Redis ACL users of a Roundhouse deployment (DESIGN §11): each worker its own, the
 orchestrator its own, nothing administrative for either.
 
-``python -m tasks.acl --worker gpu-host-0 --worker gpu-host-1 [--db 0] [--template]``
+``python -m tasks.trust.acl --worker gpu-host-0 --worker gpu-host-1 [--db 0] [--template]``
 prints a Redis ACL file (``aclfile``): users ``worker-<host>`` and ``orchestrator`` (and
 ``admin`` with ``--admin``), the default user off. Passwords are generated and written,
 with the URL each process uses, to ``--secrets FILE`` (mode 0600); the ACL file holds only
@@ -147,7 +147,7 @@ def acl_file(passwords: dict[str, str | None], worker_hosts: list[str], *, db: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = argparse.ArgumentParser(prog="python -m tasks.acl", description=__doc__.split("\n\n")[0])
+    options = argparse.ArgumentParser(prog="python -m tasks.trust.acl", description=__doc__.split("\n\n")[0])
     options.add_argument("--worker", action="append", default=[], help="a worker's host id (repeat)")
     options.add_argument("--db", type=int, default=0, help="the Redis database of the broker")
     options.add_argument("--admin", action="store_true", help="add an admin user (+@all) for operators")

@@ -9,7 +9,7 @@ that has not finished is the broker's redelivery (``acks_late``) and runs again 
 tasks' idempotency rules; each delivery is counted, and the count is the request's
 ``retries``, so ``worker_lost_retries`` still bounds a task that kills its child. The
 envelope's eta, expiry and time limits replace the headers'. Control commands pass the same
-checks in :class:`tasks.signed_app.GatedNode`; a broadcast (no destination in its signed
+checks in :class:`tasks.trust.signed_app.GatedNode`; a broadcast (no destination in its signed
 body) must also have been issued after this worker started. A message naming a task this
 worker does not have is refused too (``unknown_task``).
 
@@ -38,12 +38,13 @@ from celery.utils.log import get_logger
 from celery.worker.request import Request
 from kombu.exceptions import ContentDisallowed
 
-from settings import Settings, get_settings
+from settings import Settings
 from settings.celery import AUTH_CONTENT_TYPE
 from tasks.events import EventPublisher
 from tasks.names import ENVELOPE_KEY
 from tasks.replay import NonceLedger, ReplayStore, ledger_dir
-from tasks.signing import Refused, Security, Verifier, check_control, check_task, replay_ttl_s
+from tasks.trust.signed_app import app_settings
+from tasks.trust.signing import Refused, Security, Verifier, check_control, check_task, replay_ttl_s
 
 logger = get_logger(__name__)
 
@@ -167,7 +168,7 @@ class Gate(bootsteps.StartStopStep):
     def __init__(self, c: Any, **kwargs: Any) -> None:
         global _active
         super().__init__(c, **kwargs)
-        settings = get_settings()  # Celery builds its bootsteps itself
+        settings = app_settings(c.app)  # the app's own, as built: Celery builds its bootsteps itself
         if problem := startup_problem(settings):
             raise ImproperlyConfigured(problem)
         for warning in startup_warnings(settings):

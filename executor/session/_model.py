@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from executor import artifacts, transfer
 from executor.delta import (
@@ -30,9 +30,8 @@ from executor.delta import (
     scheme_of,
     zstd_bound,
 )
-from executor.errors import BadArtifact, HashMismatch, Stopped, error_info
+from executor.errors import BadArtifact, ErrorInfo, HashMismatch, Stopped, error_info
 from executor.fileio import (
-    MIB,
     RETIRED_SUFFIX,
     TEMP_SUFFIX,
     TREE_MAX_DEPTH,
@@ -44,14 +43,16 @@ from executor.fileio import (
 )
 from executor.results import ApplyVia
 from executor.transfer import Progress
+from executor.urls import Url
 from executor.workdir import SessionDir
-
-if TYPE_CHECKING:
-    from settings import Settings
 
 logger = logging.getLogger(__name__)
 
 Fingerprint = tuple[int, int, int, str]
+
+# Why a sync took the full download where no error was raised (ApplyOutcome.fallback's code).
+NO_DELTA = "delta_not_offered"
+NO_BASE = "no_base_model"
 
 
 def model_fingerprint(path: str) -> Fingerprint:
@@ -96,8 +97,18 @@ class Synced:
 
     via: ApplyVia
     model: InstalledModel
-    reason: str | None
+    reason: ErrorInfo | None
     noop: bool = False
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model download may be: its bytes (``max_model_mb``), and the files and bytes of
+    the bundle beside it (``bundle_max_files``, ``bundle_max_bytes``)."""
+
+    max_model_bytes: int
+    bundle_max_bytes: int
+    bundle_max_files: int
 
 
 class ModelFiles:
@@ -106,41 +117,18 @@ class ModelFiles:
     def __init__(
         self,
         work_dir: str,
+        limits: ModelLimits,
         *,
         transfer_config: transfer.TransferConfig,
         abort: threading.Event,
-        bundle_max_bytes: int,
-        bundle_max_files: int,
-        max_model_bytes: int,
         progress: Callable[[str], Progress] | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.dirs = SessionDir(work_dir)
         self._transfer = transfer_config
         self._abort = abort
-        self._bundle_max_bytes = bundle_max_bytes
-        self._bundle_max_files = bundle_max_files
-        self._max_model_bytes = max_model_bytes
+        self._limits = limits
         self._progress = progress
-
-    @classmethod
-    def for_settings(
-        cls,
-        work_dir: str,
-        settings: Settings,
-        *,
-        abort: threading.Event,
-        progress: Callable[[str], Progress] | None = None,
-    ) -> ModelFiles:
-        return cls(
-            work_dir,
-            transfer_config=transfer.TransferConfig.from_settings(settings),
-            abort=abort,
-            bundle_max_bytes=settings.bundle_max_bytes,
-            bundle_max_files=settings.bundle_max_files,
-            max_model_bytes=settings.max_model_mb * MIB,
-            progress=progress,
-        )
 
     def clean_leftovers(self) -> int:
         """At start: temp files and the staging dir of a process that died writing them.
@@ -183,13 +171,13 @@ class ModelFiles:
         finally:
             remove_tree(staging, ignore_errors=True)
 
-    def fetch(self, model_url: str, what: str, dest_dir: str) -> artifacts.ModelArtifact:
+    def fetch(self, model_url: Url, what: str, dest_dir: str) -> artifacts.ModelArtifact:
         """Download a model and turn it into the canonical file in ``dest_dir``."""
         return self.fetch_hashed(model_url, what, dest_dir)[0]
 
     def fetch_hashed(
         self,
-        model_url: str,
+        model_url: Url,
         what: str,
         dest_dir: str,
         *,
@@ -206,9 +194,9 @@ class ModelFiles:
         the file is safetensors with its tensors in key order (``delta.StreamStateHash``);
         any other file is hashed once it is canonical. ``abort`` replaces the stop signal.
         """
-        suffix = artifacts.model_suffix(model_url)
+        suffix = artifacts.model_suffix(str(model_url))  # the path only
         download = os.path.join(self.incoming, what + suffix)
-        head_bytes, check_head = artifacts.model_head(suffix, self._max_model_bytes)
+        head_bytes, check_head = artifacts.model_head(suffix, self._limits.max_model_bytes)
 
         def head(first: bytes) -> int | None:
             cap = check_head(first)  # a parsed safetensors header caps the body at what it promises
@@ -221,7 +209,7 @@ class ModelFiles:
             download,
             config=self._transfer,
             abort=self._abort if abort is None else abort,
-            max_bytes=self._max_model_bytes,
+            max_bytes=self._limits.max_model_bytes,
             head=(head_bytes, head),
             progress=self._progress(what) if self._progress else None,
             follow=lambda: StreamStateHash(scheme),
@@ -230,8 +218,8 @@ class ModelFiles:
             artifact = artifacts.prepare_model_artifact(
                 download,
                 dest_dir,
-                max_bundle_bytes=self._bundle_max_bytes,
-                max_bundle_files=self._bundle_max_files,
+                max_bundle_bytes=self._limits.bundle_max_bytes,
+                max_bundle_files=self._limits.bundle_max_files,
             )
         finally:
             if os.path.exists(download):
@@ -298,7 +286,7 @@ class ModelFiles:
         )
 
     def download(
-        self, model_url: str, what: str, *, expect_hash: str | None = None, scheme: str = DEFAULT_SCHEME
+        self, model_url: Url, what: str, *, expect_hash: str | None = None, scheme: str = DEFAULT_SCHEME
     ) -> InstalledModel:
         """Fetch, check and install a whole model; ``expect_hash`` must match when given (its
         prefix names the scheme; without one the model is hashed in ``scheme``)."""
@@ -316,8 +304,8 @@ class ModelFiles:
     def sync(
         self,
         current: InstalledModel | None,
-        model_url: str,
-        delta_url: str | None,
+        model_url: Url,
+        delta_url: Url | None,
         base_hash: str | None,
         result_hash: str | None,
     ) -> Synced:
@@ -330,10 +318,10 @@ class ModelFiles:
             and current.file_unchanged()
         ):
             return Synced(ApplyVia.DELTA, current, None, noop=True)
-        reason: str | None = "no delta offered"
+        reason: ErrorInfo | None = ErrorInfo(NO_DELTA, "no delta offered")
         if delta_url and base_hash and result_hash:
             if current is None:
-                reason = "no local base model"
+                reason = ErrorInfo(NO_BASE, "no local base model")
             else:
                 # The hash we hold counts only in the scheme the orchestrator names (sha256 or
                 # blake3) and while the file is the one it was computed for.
@@ -350,14 +338,14 @@ class ModelFiles:
         if reason is None and current is not None and result_hash:
             model = replace(current, model_hash=result_hash, fingerprint=model_fingerprint(current.path))
             return Synced(ApplyVia.DELTA, model, None)
-        logger.warning("sync: %s; downloading the full model", reason)
+        logger.warning("sync: %s; downloading the full model", reason.message if reason else "")
         scheme = scheme_of(current.model_hash, DEFAULT_SCHEME) if current is not None else DEFAULT_SCHEME
         full = self.download(model_url, "model-full", expect_hash=result_hash, scheme=scheme)
         return Synced(ApplyVia.FULL, full, reason)
 
     def apply_sync(
-        self, model_path: str, delta_url: str, *, base_hash: str, result_hash: str, known_hash: str | None
-    ) -> str | None:
+        self, model_path: str, delta_url: Url, *, base_hash: str, result_hash: str, known_hash: str | None
+    ) -> ErrorInfo | None:
         """Apply a sync delta in place; None on success, else why it could not be used.
 
         ``known_hash`` is the hash of the file as this process installed it (None when
@@ -365,9 +353,12 @@ class ModelFiles:
         Only a stop propagates: every other failure is a reason to fall back.
         """
         if not os.path.exists(model_path):
-            return "no local base model"
+            return ErrorInfo(NO_BASE, "no local base model")
         if known_hash is not None and known_hash != base_hash:
-            return "local model is not the delta's base (hash mismatch)"
+            return HashMismatch(
+                "local model is not the delta's base (hash mismatch)",
+                {"expected": base_hash, "got": known_hash},
+            ).info()
         delta_path = os.path.join(self.incoming, "sync-delta.zst")
         try:
             # The model bounds what its delta decodes to, and so what the zstd file can take.
@@ -386,7 +377,7 @@ class ModelFiles:
         except Exception as exc:
             info = error_info(exc)
             logger.warning("sync delta not applied (%s): %s", info.code, info.message)
-            return f"{info.code}: {info.message}"
+            return info
         finally:
             if os.path.exists(delta_path):
                 os.unlink(delta_path)

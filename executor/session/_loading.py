@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 from executor import artifacts
 from executor.errors import BadArtifact, CleanupFailed, RoundhouseError, Stopped
-from executor.modelfile import InstalledModel, ModelFiles
 from executor.rounds import RoundRunner
-from executor.session import LoadArgs, Session, drop_manifest
+from executor.session._manifest import drop_manifest
+from executor.session._model import InstalledModel, ModelFiles
+from executor.session._requests import LoadRequest
+from executor.session._state import Session
 from executor.shards import ShardSession
 from executor.stopping import DoneThread, StopSignal, on_stop
 from executor.tensorfile import header_length, parse_header
@@ -138,29 +140,19 @@ class LoadPipeline:
         self._runner_started = False
         self._fetched_s = 0.0
 
-    def run(
-        self,
-        model_url: str,
-        args: LoadArgs,
-        code: str,
-        *,
-        scheme: str,
-        dataset: ShardSession,
-        previous: Session | None,
-    ) -> Staged:
+    def run(self, request: LoadRequest, *, dataset: ShardSession, previous: Session | None) -> Staged:
         """Fetch, hash and install the model with the first shard staged and the runner
         started beside it; on any failure ``previous`` stays the session, its runner reopened
         cold (started again by its next round)."""
         unlink = on_stop(self._stop, self._abort.set)
         if previous is not None:
             previous.dataset.close(timeout_s=self._join_timeout_s)  # its pins free the cache for ours
-        staged = None
-        if args.descriptors and self._stage_first_shard:
-            staged = args.initial_shard_index % len(args.descriptors)
+        staged = request.staged_shard if self._stage_first_shard else None
+        if staged is not None:
             index = staged
             self._helpers.start("load-shard", lambda: dataset.stage(index, abort=self._abort, prefetch=False))
         try:
-            model, artifact = self._model(model_url, code, scheme, previous)
+            model, artifact = self._model(request)
         except BaseException:
             self._call_off(previous)
             dataset.close(timeout_s=self._join_timeout_s)
@@ -179,17 +171,15 @@ class LoadPipeline:
         )
         return Staged(model, dataset, staged, artifact)
 
-    def _model(
-        self, model_url: str, code: str, scheme: str, previous: Session | None
-    ) -> tuple[InstalledModel, artifacts.ModelArtifact]:
+    def _model(self, request: LoadRequest) -> tuple[InstalledModel, artifacts.ModelArtifact]:
         with self._models.staging() as staging:
             artifact, model_hash = self._models.fetch_hashed(
-                model_url,
+                request.model_url,
                 "model",
                 staging,
-                scheme=scheme,
+                scheme=request.hash_scheme,
                 abort=self._abort,
-                on_head=lambda head: self._start_runner(code, head),
+                on_head=lambda head: self._start_runner(request.code, head),
             )
             self._fetched_s = time.monotonic() - self._helpers.began
             self._join_helpers()

@@ -30,7 +30,7 @@ and a control command's ``arguments`` carry ``{"v": 1, "command", "iat", "exp", 
 by a worker that started after its ``iat``). A worker refuses a message whose
 envelope names another task, id or queue, has expired (``exp``, at most
 ``ROUNDHOUSE_MESSAGE_MAX_AGE_S`` after ``iat``), or whose nonce it has seen finish
-(``tasks.gate``); it takes eta, expiry and time limits from the envelope, not the headers.
+(``tasks.trust.gate``); it takes eta, expiry and time limits from the envelope, not the headers.
 A stop request is a signed ``{"v": 1, "stop": task_id, "host": host_id, "iat", "exp"}``.
 """
 
@@ -207,7 +207,7 @@ class Security:
 def load_security(settings: Settings) -> Security | None:
     """The process's keys, from the settings (None: the unsigned control plane)."""
     if settings.keys_dir:
-        from tasks.keys import ensure_keys
+        from tasks.trust.keys import ensure_keys
 
         ensure_keys(settings.keys_dir)
     if not settings.signed:

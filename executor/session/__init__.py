@@ -1,0 +1,53 @@
+"""The session: what ``load_model`` establishes and every later round and sync reuses.
+
+The facade (:class:`executor.core.Executor`) parses each request once into a typed value
+and hands it to the :class:`SessionKeeper`, which owns the rest:
+
+- ``_requests``: ``LoadRequest``, ``RoundRequest``, ``SyncRequest``, each checked once where
+  it enters; ``QuantConfig`` (how a quantised delta is cut);
+- ``_model``: the model file in the work dir (``ModelFiles``): fetched, hashed as it lands,
+  checked and swapped in atomically; the sync's delta path and its full-download fallback;
+- ``_state``: the loaded ``Session``;
+- ``_manifest``: ``session.json`` (``Manifest``), what a replacement process resumes from;
+- ``_loading``: the load pipeline (model, first shard and runner start at once);
+- ``_shipping``: a round's trained delta written and uploaded;
+- ``_keeper``: ``SessionKeeper`` and its ``SessionConfig``.
+
+Inside the package each module imports only those above it in this list.
+"""
+
+from executor.session._keeper import SessionConfig, SessionKeeper
+from executor.session._manifest import Manifest, drop_manifest, read_manifest, write_manifest
+from executor.session._model import InstalledModel, ModelFiles, ModelLimits, Synced, model_fingerprint
+from executor.session._requests import (
+    DELTA_DTYPES,
+    QUANT_DTYPES,
+    LoadRequest,
+    QuantConfig,
+    RoundRequest,
+    SyncRequest,
+)
+from executor.session._shipping import ship_delta
+from executor.session._state import Session
+
+__all__ = [
+    "DELTA_DTYPES",
+    "QUANT_DTYPES",
+    "InstalledModel",
+    "LoadRequest",
+    "Manifest",
+    "ModelFiles",
+    "ModelLimits",
+    "QuantConfig",
+    "RoundRequest",
+    "Session",
+    "SessionConfig",
+    "SessionKeeper",
+    "SyncRequest",
+    "Synced",
+    "drop_manifest",
+    "model_fingerprint",
+    "read_manifest",
+    "ship_delta",
+    "write_manifest",
+]

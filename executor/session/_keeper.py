@@ -1,0 +1,230 @@
+"""The keeper of a work dir's one session: it loads it, restores it after a crash, syncs its
+model, ships its rounds' deltas and closes it.
+
+The facade (:class:`executor.core.Executor`) parses each request once and hands it here;
+the keeper owns the model files, the manifest and the session's dataset, and tells the
+round runner when a session opens and closes. Nothing here reads the settings: what it
+needs comes in its :class:`SessionConfig`, built once where the Executor is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from executor import placement, transfer
+from executor.errors import ErrorInfo, InvalidRequest, RoundhouseError
+from executor.fileio import empty_dir
+from executor.results import ApplyOutcome, DeltaInfo, LoadResult, RoundResult
+from executor.rounds import RoundOutcome, RoundRunner, round_result
+from executor.session._loading import LoadPipeline
+from executor.session._manifest import read_manifest, write_manifest
+from executor.session._model import ModelFiles, ModelLimits
+from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
+from executor.session._shipping import ship_delta
+from executor.session._state import Session
+from executor.shards import ShardCache, ShardDescriptor, ShardSession
+from executor.stopping import DoneThread, StopSignal
+from executor.transfer import Progress
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """What a session's life needs to know (the settings of the same names)."""
+
+    model: ModelLimits
+    quant: QuantConfig
+    max_script_bytes: int
+    stage_first_shard: bool
+    stop_join_timeout_s: float
+
+
+class SessionKeeper:
+    """One work dir's session (``current``), from its load to its close."""
+
+    def __init__(
+        self,
+        models: ModelFiles,
+        config: SessionConfig,
+        *,
+        transfer_config: transfer.TransferConfig,
+        cache: ShardCache,
+        private_cache: bool,
+        runner: RoundRunner,
+        stop: StopSignal,
+        progress: Callable[[str], Progress],
+    ) -> None:
+        self.work_dir = models.work_dir
+        self.models = models
+        self.config = config
+        self._transfer = transfer_config
+        self._cache = cache
+        # Private: shards live in the work dir and are dropped with the session (the seed's).
+        self._private_cache = private_cache
+        self._runner = runner
+        self._stop = stop
+        self._progress = progress
+        self.current: Session | None = None
+
+    def require(self) -> Session:
+        if self.current is None:
+            raise InvalidRequest("no model is loaded: send load_model first")
+        return self.current
+
+    # ------------------------------------------------------------ load and restore
+
+    def load(self, request: LoadRequest) -> LoadResult:
+        """Download and validate the model, stage one shard, start the next one's prefetch.
+
+        The model download, the first shard and the sandboxed runner's start run at once
+        (``_loading``). A failure leaves the current session as it was (never a half-written
+        file); only its warm runner, taken at the start, is started again at its next round.
+        """
+        started = time.monotonic()
+        if not self._private_cache:
+            self._cache.check_fits(request.descriptors)
+        pipeline = LoadPipeline(
+            self.models,
+            self._runner,
+            self._stop,
+            stage_first_shard=self.config.stage_first_shard,
+            join_timeout_s=self.config.stop_join_timeout_s,
+        )
+        dataset = self.dataset(request.tenant, request.descriptors)
+        try:
+            staged = pipeline.run(request, dataset=dataset, previous=self.current)
+        except BaseException:
+            self._runner.replenish()  # a load that took the spare and failed: the next one's
+            raise
+        # The previous session's dataset was closed by the pipeline, its runner replaced.
+        self.current = session = Session.of(request, staged.model, staged.dataset)
+        write_manifest(session, self.work_dir)
+        self._runner.open(session, warm=True)  # warm: torch and CUDA load now, not in round 1
+        self._runner.replenish()  # the load took the spare: the next session's starts now
+        artifact = staged.artifact
+        logger.info("load complete: %d keys, hash %s", artifact.keys, session.model_hash)
+        return LoadResult(
+            session.model_hash,
+            artifact.keys,
+            artifact.bytes,
+            staged.staged_shard,
+            time.monotonic() - started,
+            artifact.source_format,
+        )
+
+    def dataset(self, tenant: str, descriptors: list[ShardDescriptor]) -> ShardSession:
+        return ShardSession(
+            self._cache,
+            tenant,
+            descriptors,
+            abort=self._stop,
+            progress=self._progress("shard"),
+            retain=not self._private_cache,
+        )
+
+    def rehydrate(self) -> Session | None:
+        """The session a previous process left in this work dir (its manifest and model file),
+        opened cold; None, leaving nothing changed, when there is nothing usable."""
+        manifest = read_manifest(self.work_dir)
+        if manifest is None:
+            return None
+        try:
+            request = manifest.request(max_script_bytes=self.config.max_script_bytes)
+            model = self.models.installed(
+                manifest.model_hash, manifest.fingerprint, manifest.preprocessor_config
+            )
+        except RoundhouseError as exc:
+            logger.warning("session manifest not usable: %s", exc)
+            return None
+        if model is None:
+            return None
+        self.current = session = Session.of(request, model, self.dataset(request.tenant, request.descriptors))
+        self._runner.open(session, warm=False)
+        write_manifest(session, self.work_dir)
+        return session
+
+    # ------------------------------------------------------------ rounds and syncs
+
+    def finish(
+        self,
+        request: RoundRequest,
+        outcome: RoundOutcome | None,
+        trained: Mapping[str, torch.Tensor] | None,
+        dropped: Mapping[str, int],
+    ) -> RoundResult:
+        """The result of the round that just ended; a completed training round's delta shipped."""
+        outcome = outcome or RoundOutcome.failed(ErrorInfo(InvalidRequest.code, "no round has run"))
+        return round_result(
+            outcome,
+            round_num=request.spec.round_num,
+            ship=partial(self.ship, trained, request) if request.spec.training else None,
+            dropped=dropped,
+        )
+
+    def ship(self, trained: Mapping[str, torch.Tensor] | None, request: RoundRequest) -> DeltaInfo:
+        """The round's delta written (and uploaded when the request names a URL)."""
+        return ship_delta(
+            self.require().model_path,
+            trained,
+            request,
+            work_dir=self.work_dir,
+            transfer_config=self._transfer,
+            abort=self._stop,
+            error_feedback=self.config.quant.error_feedback,
+        )
+
+    def sync(self, request: SyncRequest) -> ApplyOutcome:
+        """Apply the orchestrator's sync delta in place, else download the full model: a sync
+        never fails *because of* the delta path. Only an explicit stop aborts instead."""
+        started = time.monotonic()
+        placement.empty_device_cache()
+        session = self.current
+        synced = self.models.sync(
+            session.model if session else None,
+            request.model_url,
+            request.delta_url,
+            request.base_hash,
+            request.result_hash,
+        )
+        if session is not None:
+            session.update(synced.model, request.params, request.descriptors)
+            write_manifest(session, self.work_dir)
+        return ApplyOutcome(
+            synced.via, synced.model.model_hash, time.monotonic() - started, synced.reason, synced.noop
+        )
+
+    # ------------------------------------------------------------ the end
+
+    def wait_prefetch(self, deadline: float) -> None:
+        if self.current is not None:
+            self.current.dataset.wait_prefetch(max(0.0, deadline - time.monotonic()))
+
+    def threads(self) -> list[DoneThread]:
+        """The session's own threads (its dataset's prefetch), ended or not."""
+        thread = self.current.dataset.prefetch_thread if self.current is not None else None
+        return [thread] if thread is not None else []
+
+    def wipe(self, tenant: str | None) -> int:
+        """The tenant boundary: the session closed, the work dir emptied, and the cache entries
+        of ``tenant`` (the session's, when None) removed. Returns the bytes wiped."""
+        owner = tenant or (self.current.tenant if self.current else None)
+        self.close()
+        wiped = empty_dir(self.work_dir)
+        if owner and not self._private_cache:
+            wiped += self._cache.remove_tenant(owner)
+        return wiped
+
+    def close(self) -> None:
+        """The session ends: its runner (the spare too: its directories are in the work dir)
+        and its dataset (prefetch joined, pins released)."""
+        session, self.current = self.current, None
+        self._runner.close(spare=True)
+        if session is not None:
+            session.dataset.close(timeout_s=self.config.stop_join_timeout_s)

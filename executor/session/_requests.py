@@ -1,0 +1,210 @@
+"""The session's requests, each one typed value checked once where it enters.
+
+``load_model``, ``run_round`` and ``apply_delta`` arrive as loose JSON arguments (from a task
+message, or from a seed caller's positional arguments). Each becomes one frozen request here,
+before anything on disk or in memory changes; everything below the facade takes the request
+and checks nothing again (httpx's one ``Request`` handed through its transports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from types import CodeType
+from typing import Any
+
+import torch
+
+from executor.delta import DEFAULT_SCHEME, DeltaFormat, QuantScheme, check_scheme
+from executor.errors import InvalidRequest
+from executor.rounds import RoundSpec, validate_script
+from executor.shards import ShardDescriptor, check_tenant
+from executor.urls import Url
+
+DELTA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+QUANT_DTYPES = ("int8", "int4")
+
+# A URL the round will PUT its delta to, refused (InvalidRequest) before the round trains.
+UrlCheck = Callable[[Url], object]
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a quantised delta is cut: the settings' ``quant_block_size`` and ``quant_scale_dtype``,
+    and whether the session carries its quantisation error to the next round."""
+
+    block_size: int = 0  # 0: the scheme's own default
+    scale_dtype: str = ""  # "": the scheme's own default
+    error_feedback: bool = True
+
+    def delta_format(self, name: object) -> DeltaFormat:
+        """``run_round``'s ``delta_dtype``: a float dtype, or a quantised scheme cut as configured."""
+        if isinstance(name, str) and name in QUANT_DTYPES:
+            if not self.block_size and not self.scale_dtype:
+                return QuantScheme.named(name)
+            return QuantScheme.named(name, self.block_size, self.scale_dtype)
+        if not isinstance(name, str) or name not in DELTA_DTYPES:
+            names = [*sorted(DELTA_DTYPES), *QUANT_DTYPES]
+            raise InvalidRequest(f"delta_dtype must be one of {names}, got {name!r}")
+        return DELTA_DTYPES[name]
+
+
+def check_params(params: object) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"params must be an object, got {type(params).__name__}")
+    return dict(params)
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidRequest(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_url(name: str, value: object) -> Url | None:
+    """An optional URL argument as a :class:`Url` (shown redacted from here on)."""
+    return None if value is None or value == "" else required_url(name, value)
+
+
+def required_url(name: str, value: object) -> Url:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{name} must be a non-empty string")
+    return Url(value)
+
+
+def check_shards(dataset_shards: object) -> list[ShardDescriptor]:
+    if not isinstance(dataset_shards, Sequence) or isinstance(dataset_shards, (str, bytes)):
+        raise InvalidRequest("dataset_shards must be a list of URLs or descriptors")
+    return [ShardDescriptor.parse(item) for item in dataset_shards]
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One ``load_model``: the model to fetch, the tenant's code (compiled once) and dataset."""
+
+    model_url: Url
+    code: str
+    compiled: CodeType
+    tenant: str
+    descriptors: list[ShardDescriptor]
+    batch_size: int
+    params: dict[str, Any]
+    initial_shard_index: int
+    hash_scheme: str = DEFAULT_SCHEME
+
+    @classmethod
+    def parse(
+        cls,
+        model_url: object,
+        dataset_shards: object,
+        code: object,
+        batch_size: object = 32,
+        params: object = None,
+        initial_shard_index: object = 0,
+        *,
+        tenant: object = "default",
+        hash_scheme: object = DEFAULT_SCHEME,
+        max_script_bytes: int,
+    ) -> LoadRequest:
+        compiled = validate_script(code, max_bytes=max_script_bytes)
+        return cls(
+            model_url=required_url("model_url", model_url),
+            code=str(code),
+            compiled=compiled,
+            tenant=check_tenant(tenant),  # type: ignore[arg-type]
+            descriptors=check_shards([] if dataset_shards is None else dataset_shards),
+            batch_size=check_int("batch_size", batch_size, 1),
+            params=check_params(params),
+            # The seed clamps a negative index to 0 and wraps a large one; keep that.
+            initial_shard_index=max(0, check_int("initial_shard_index", initial_shard_index, -(2**62))),
+            hash_scheme=check_scheme(hash_scheme),
+        )
+
+    @property
+    def staged_shard(self) -> int | None:
+        """The shard a load stages first (None without shards)."""
+        return self.initial_shard_index % len(self.descriptors) if self.descriptors else None
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """One ``run_round``: the round tenant code plays, and where its delta goes in which format."""
+
+    spec: RoundSpec
+    delta_url: Url | None = None
+    delta_format: DeltaFormat = torch.float16
+
+    @classmethod
+    def parse(
+        cls,
+        steps: object = 100,
+        round_num: object = 0,
+        total_rounds: object = 1,
+        mode: object = "training",
+        step_offset: object = 0,
+        *,
+        delta_url: object = None,
+        delta_dtype: object = "float16",
+        quant: QuantConfig,
+        policy: UrlCheck | None = None,
+    ) -> RoundRequest:
+        """A negative ``step_offset`` counts as 0 (the seed's). ``policy`` refuses a delta URL
+        the URL policy would refuse at the upload, before the round trains (nothing is written)."""
+        delta_format = quant.delta_format(delta_dtype)
+        if mode not in ("training", "inference"):
+            raise InvalidRequest(f"mode must be 'training' or 'inference', got {mode!r}")
+        spec = RoundSpec(
+            check_int("steps", steps, 0),
+            check_int("round_num", round_num, 0),
+            check_int("total_rounds", total_rounds, 0),
+            max(0, check_int("step_offset", step_offset, -(2**62))),
+            str(mode),
+        )
+        return cls(spec, None, delta_format).shipping_to(delta_url, delta_format, policy)
+
+    def shipping_to(
+        self, delta_url: object, delta_format: DeltaFormat, policy: UrlCheck | None = None
+    ) -> RoundRequest:
+        """This round with its delta sent elsewhere (the seed's ``finish_round`` names it late)."""
+        url = check_url("delta_url", delta_url)
+        if url is not None and policy is not None:
+            policy(url)
+        return replace(self, delta_url=url, delta_format=delta_format)
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """One ``apply_delta``: the sync delta on its base, the full model as the fallback, and the
+    params and shards that replace the session's (None leaves what the session has)."""
+
+    model_url: Url
+    delta_url: Url | None
+    base_hash: str | None
+    result_hash: str | None
+    params: dict[str, Any] | None
+    descriptors: list[ShardDescriptor] | None
+
+    @classmethod
+    def parse(
+        cls,
+        model_url: object,
+        params: object = None,
+        dataset_shards: object = None,
+        delta_url: object = None,
+        base_hash: object = None,
+        result_hash: object = None,
+    ) -> SyncRequest:
+        url = required_url("model_url", model_url)
+        for name, value in (("base_hash", base_hash), ("result_hash", result_hash)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
+        return cls(
+            url,
+            check_url("delta_url", delta_url),
+            base_hash or None,  # type: ignore[arg-type]
+            result_hash or None,  # type: ignore[arg-type]
+            check_params(params) if params is not None else None,
+            check_shards(dataset_shards) if dataset_shards is not None else None,
+        )

@@ -1,0 +1,64 @@
+"""Shipping a round's delta: ``trained - original`` written in the work dir and PUT to the
+orchestrator's URL (DESIGN §3); without a URL it stays in ``<work>/deltas/`` and its path is
+returned.
+
+A quantised delta with error feedback carries the residual of the session's earlier rounds
+(``executor.delta.ErrorFeedback``, in the work dir); the next residual replaces it only once
+this delta is delivered, so a failed upload leaves it as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from executor import transfer
+from executor.delta import ErrorFeedback, QuantScheme, write_result_delta
+from executor.errors import map_exceptions
+from executor.results import DeltaInfo
+from executor.session._requests import RoundRequest
+from executor.workdir import SessionDir
+
+
+def ship_delta(
+    model_path: str,
+    trained: Mapping[str, torch.Tensor] | None,
+    request: RoundRequest,
+    *,
+    work_dir: str,
+    transfer_config: transfer.TransferConfig,
+    abort: threading.Event,
+    error_feedback: bool = True,
+) -> DeltaInfo:
+    """Write the trained delta (a zero delta when nothing was saved) and upload it."""
+    dirs = SessionDir(work_dir)
+    os.makedirs(dirs.deltas, exist_ok=True)
+    path = dirs.round_delta(request.spec.round_num)
+    dtype, delta_url = request.delta_format, request.delta_url
+    feedback = ErrorFeedback(work_dir) if isinstance(dtype, QuantScheme) and error_feedback else None
+    with contextlib.ExitStack() as stack:
+        residual = stack.enter_context(feedback.next_round()) if feedback is not None else None
+        with map_exceptions({}, where="the work dir (trained delta)"):
+            written = write_result_delta(model_path, trained or {}, path, dtype=dtype, feedback=residual)
+            if not delta_url and residual is not None:
+                residual.commit()  # kept in the work dir: delivered
+        if not delta_url:
+            return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
+        try:
+            transfer.upload(path, delta_url, config=transfer_config, abort=abort)
+        finally:
+            os.unlink(path)
+        if residual is not None:
+            with map_exceptions({}, where="the work dir (error feedback)"):
+                residual.commit()
+    return DeltaInfo(
+        written.bytes,
+        written.hash,
+        written.dtype,
+        written.keys,
+        url=str(delta_url),  # redacted
+    )
