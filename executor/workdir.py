@@ -15,7 +15,7 @@
                                   executor.sandbox lays those out)
     private-shards/               the shards without a shared cache (shard_cache_max_mb <= 0)
     model-offload/                accelerate's disk offload of the in-thread runner
-  <host_id>/replay/               the control plane's nonce ledger (tasks/replay.py)
+  <host_id>/replay/               the control plane's nonce ledger (tasks/trust/replay.py)
 ```
 
 Why one module: the layout was spelled in seven, and a directory one of them removes (a

@@ -2,18 +2,17 @@
 
 ``celery -A tasks worker`` finds the app here: ``tasks.app`` is the Celery app.
 
-Modules, each importing only those listed before it (``trust``'s gate also needs ``events``
-and ``replay``: it publishes refusals and remembers nonces):
+Modules, each importing only those listed before it (``trust``'s gate also needs ``events``:
+it publishes refusals):
 
 - ``names``: every name on the wire (tasks, queues, Redis keys and channels)
 - ``trust``: the signed control plane (DESIGN §11), a package: development keys, signatures
-  and envelopes, the app that signs what it sends, the gate on the worker's MainProcess, the
-  Redis ACL users of a deployment
+  and envelopes, the app that signs what it sends, the gate on the worker's MainProcess and
+  its replay guard, the Redis ACL users of a deployment
 - ``events``: the event publisher; ``metrics``: the child's Prometheus metrics
 - ``control``: the stop paths (revoke forwarding, SIGUSR2, stop through Redis)
 - ``runtime``: the prefork child's Executor, settings, events, stops and heartbeat
 - ``rounds``: the tasks of DESIGN §3
-- ``replay``: the replay guard's memory of admitted signed messages (a ledger on disk, Redis)
 - ``embedded_redis``: the Procfile's and demo's Redis
 - ``app``: the Celery app and its worker hooks
 - ``client``: ``RoundClient`` for orchestrators (names, events, control; not the app)

@@ -7,6 +7,8 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # Module-qualified so that hash_file is looked up at call time: a test replaces it there
 # to prove that a followed download is not hashed a second time.
@@ -53,10 +55,8 @@ def fetch(
     of a shorter body at its end) and may raise a RoundhouseError to refuse the download.
 
     Raises ``InvalidRequest`` for a URL the policy refuses (nothing is written),
-    ``DownloadFailed`` (partial kept for a later resume, removed when over the cap; also
-    for an address the policy refuses at connect time), the head check's error (partial
-    removed), ``HashMismatch`` (partial removed), ``Stopped`` when ``abort`` is set.
-
+    ``DownloadFailed`` (also for an address refused at connect time), the head check's error,
+    ``HashMismatch``, ``Stopped`` when ``abort`` is set (what each leaves: ``_left_clean``).
     ``follow`` makes a digest fed every byte in order as it lands: ``FetchResult.followed``.
     """
     started = time.monotonic()
@@ -73,34 +73,44 @@ def fetch(
     meter = ProgressMeter(progress)
     digest: str | None = None
     followed: str | None = None
+    with (
+        _left_clean(partial, sidecar_path),
+        Cancel(abort, url) as cancel,
+        map_exceptions({}, where=os.path.dirname(os.path.abspath(dest))),
+    ):
+        if isinstance(target, FilePath):
+            resumed_bytes, connections = 0, 0
+            hashed = sha256 is not None
+            digest = _local.copy_local(target, dest, config, cancel, meter, limits, hashed=hashed)
+        else:
+            got = download(
+                url, dest, config, cancel, meter, size, limits, hashed=sha256 is not None, follow=follow
+            )
+            resumed_bytes, connections, digest, followed = got
+        limits.finish()
+        total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
+    meter.finish()
+    return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked, followed)
+
+
+@contextmanager
+def _left_clean(partial: str, sidecar_path: str) -> Iterator[None]:
+    """What a failed download leaves: a partial to resume, unless it is over its cap, failed
+    its head check or hash, or nothing was written (refused at connect, a 404); and nothing
+    half-written on a full disk."""
     try:
-        with Cancel(abort, url) as cancel, map_exceptions({}, where=os.path.dirname(os.path.abspath(dest))):
-            if isinstance(target, FilePath):
-                resumed_bytes, connections = 0, 0
-                hashed = sha256 is not None
-                digest = _local.copy_local(target, dest, config, cancel, meter, limits, hashed=hashed)
-            else:
-                got = download(
-                    url, dest, config, cancel, meter, size, limits, hashed=sha256 is not None, follow=follow
-                )
-                resumed_bytes, connections, digest, followed = got
-            limits.finish()
-            total_bytes, checked = _commit(url, dest, size, sha256, digest, config, cancel)
+        yield
     except StorageFull:
-        # Free what the attempt took: nothing half-written stays on a full disk.
         discard(partial, sidecar_path)
         raise
     except Refused as refused:
         discard(partial, sidecar_path)
         raise refused.error from None
     except DownloadFailed:
-        # An attempt that wrote nothing (refused at connect, a 404) leaves nothing behind.
         with contextlib.suppress(OSError):
             if os.path.getsize(partial) == 0:
                 discard(partial, sidecar_path)
         raise
-    meter.finish()
-    return FetchResult(total_bytes, time.monotonic() - started, resumed_bytes, connections, checked, followed)
 
 
 def remote_size(

@@ -4,8 +4,10 @@ Tasks, control commands and stop requests are signed with the orchestrator's key
 for control commands only) and carry an envelope that binds what Celery leaves in headers;
 a worker trusts exactly the certificates it is given, and its gate, on the MainProcess,
 admits nothing else. Modules, each importing only those listed before it (and, of the rest
-of ``tasks``, ``names``; the gate also ``events`` and ``replay``):
+of ``tasks``, ``names``; the gate also ``events``):
 
+- ``replay``: the replay guard's memory of the signed messages a worker admitted (a ledger on
+  its own disk, a copy in Redis)
 - ``keys``: development keys (``roundhouse keys init DIR``): a CA, signing pairs, the trust
   store, a Redis TLS certificate, one directory per role with only what that role needs
 - ``signing``: Celery's ``auth`` wire format, ``Signer`` / ``Verifier``, the envelopes a

@@ -3,7 +3,7 @@
 In the MainProcess, before Celery builds a request: a task message must be Celery's
 ``auth`` content type, verify against the trust store, carry an envelope that names this
 task, this id and this worker's queue, be within its lifetime, and not be a message this
-worker has already finished (its nonce: :mod:`tasks.replay`, a ledger on the worker's own
+worker has already finished (its nonce: :mod:`tasks.trust.replay`, a ledger on the worker's own
 disk first, Redis second; a message neither can record is refused). A copy of a message
 that has not finished is the broker's redelivery (``acks_late``) and runs again under the
 tasks' idempotency rules; each delivery is counted, and the count is the request's
@@ -42,7 +42,7 @@ from settings import Settings
 from settings.celery import AUTH_CONTENT_TYPE
 from tasks.events import EventPublisher
 from tasks.names import ENVELOPE_KEY
-from tasks.replay import NonceLedger, ReplayStore, ledger_dir
+from tasks.trust.replay import NonceLedger, ReplayStore, ledger_dir
 from tasks.trust.signed_app import app_settings
 from tasks.trust.signing import Refused, Security, Verifier, check_control, check_task, replay_ttl_s
 

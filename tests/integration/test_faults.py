@@ -563,7 +563,7 @@ def tree_rss(pid: int) -> int:
 def test_a_round_longer_than_the_visibility_timeout_is_not_run_twice(world, signed: bool) -> None:  # type: ignore[no-untyped-def]
     """Redis hands a running round's message back once it is older than the visibility
     timeout; that second delivery must not run the round. Signed, the gate refuses the copy
-    of a message this worker has finished (its nonce, tasks/replay.py); unsigned, the task
+    of a message this worker has finished (its nonce, tasks/trust/replay.py); unsigned, the task
     answers from the result the first run recorded (tasks/rounds.py). One case per guard, so
     that neither hides the other's removal."""
     server, redis_server = world["server"], world["redis"]

@@ -29,8 +29,8 @@ from orchestrator.local import LocalWorker
 from settings import Settings
 from tasks.client import RoundClient
 from tasks.names import heartbeat_key, nonce_key
-from tasks.replay import LEDGER_NAME, ledger_dir
 from tasks.trust.acl import worker_rules
+from tasks.trust.replay import LEDGER_NAME, ledger_dir
 from tasks.trust.signing import SEP
 from tests.conftest import SESSION_KEYS
 from tests.support.rounds import event_seq

@@ -298,7 +298,7 @@ def test_the_work_dir_is_spelled_in_one_module() -> None:
 def _is_label(value: str, module: str) -> bool:
     """A word that names something else there: the replay store's refusal reason, the spare's
     thread name."""
-    return (value, module) in {("replay", "tasks.replay"), ("sandbox-spare", "executor.sandbox._spare")}
+    return (value, module) in {("replay", "tasks.trust.replay"), ("sandbox-spare", "executor.sandbox._spare")}
 
 
 def test_each_package_docstring_names_each_of_its_modules() -> None:

@@ -18,12 +18,12 @@ from celery.security.key import PrivateKey
 from celery.security.serialization import SecureSerializer
 
 from settings import Settings, celery_config
-from tasks import replay
 from tasks.embedded_redis import tls_binary
-from tasks.replay import LEDGER_NAME, NonceLedger, ReplayStore
+from tasks.trust import replay
 from tasks.trust.acl import acl_file
 from tasks.trust.gate import is_loopback, startup_problem
 from tasks.trust.keys import DevKeys, init_keys
+from tasks.trust.replay import LEDGER_NAME, NonceLedger, ReplayStore
 from tasks.trust.signing import SEP, Refused, Signer, TaskEnvelope, Verifier, check_task, check_times
 from tests.conftest import SESSION_KEYS
 from tests.support.redis_server import RedisServer
