@@ -11,6 +11,7 @@ import requests
 import urllib3
 
 from tests.support.http_server import FaultServer
+from tests.support.waiting import wait_until
 
 DATA = bytes(range(256)) * 64  # 16 KiB
 
@@ -36,6 +37,8 @@ def test_full_get_and_head(server: FaultServer) -> None:
     assert response.headers["ETag"] and response.headers["Last-Modified"]
     head = requests.head(server.url("dir/f.bin"), timeout=10)
     assert head.status_code == 200 and head.headers["Content-Length"] == str(len(DATA)) and not head.content
+    # The client has every byte before the server's thread records the request's end.
+    wait_until(lambda: server.requests[0].ended is not None, 10, "the server to record the GET's end")
     record = server.requests[0]
     assert (record.method, record.path, record.query, record.status) == ("GET", "dir/f.bin", "sig=x", 200)
     assert record.bytes_sent == len(DATA) and record.ended is not None
