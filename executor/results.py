@@ -61,9 +61,13 @@ class DeltaInfo:
     keys: int
     url: str | None = None
     path: str | None = None
+    # Where shipping it went: ``trained - original`` computed, cast and written; the PUT.
+    write_s: float = 0.0
+    upload_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}
+        out.update(write_s=round(self.write_s, 6), upload_s=round(self.upload_s, 6))
         if self.url is not None:
             out["url"] = self.url
         if self.path is not None:

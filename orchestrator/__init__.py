@@ -14,6 +14,7 @@ only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.embe
 - ``membership``: who trains, from the workers' heartbeats, elastic at round boundaries
 - ``aggregate``: a round's trained deltas folded into one running sum as they arrive
 - ``elastic``: joins at round boundaries and the sync that follows a round
+- ``phases``: where a round's wall time goes, phase by phase (``PhaseClock``)
 - ``diloco``: the ``ArtifactStore`` protocol, the outer step and the ``Orchestrator``
 - ``progress``: what ``roundhouse train`` and ``demo`` show (live progress, the loss)
 - ``train``: ``roundhouse train``, DiLoCo training of a user's own model

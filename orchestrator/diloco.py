@@ -52,6 +52,7 @@ from orchestrator.checkpoint import Checkpoint, StateDir
 from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure
 from orchestrator.elastic import Elastic
 from orchestrator.membership import HostState, Membership
+from orchestrator.phases import PhaseClock, worker_phases
 from tasks.client import RoundClient
 
 __all__ = [
@@ -125,6 +126,9 @@ class RoundSummary:
     kept: bool = False  # fewer than min_hosts completed: the model stayed as it was
     lost: list[str] = field(default_factory=list)
     members: list[str] = field(default_factory=list)  # active after the round's sync
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (orchestrator.phases)
+    # Each host's own account: training, delta_write, upload (its round), apply (its sync).
+    host_phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def mean_loss(self) -> float | None:
@@ -273,23 +277,24 @@ class Orchestrator:
 
     def round(self, round_num: int, total_rounds: int) -> RoundSummary:
         started = time.monotonic()
-        session = self.session
+        session, clock = self.session, PhaseClock()
         self.total_rounds = max(self.total_rounds, total_rounds)
         self.elastic.boundary(round_num)
         hosts = self.membership.active()
-        pending = {
-            host: self.client.run_round(
-                host, steps=session.steps, round_num=round_num, total_rounds=total_rounds,
-                step_offset=round_num * session.steps, delta_dtype=session.delta_dtype,
-                delta_url=self.store.url_put(self._delta_name(round_num, host)),
-            )
-            for host in hosts
-        }  # fmt: skip
+        with clock.phase("dispatch"):
+            pending = {
+                host: self.client.run_round(
+                    host, steps=session.steps, round_num=round_num, total_rounds=total_rounds,
+                    step_offset=round_num * session.steps, delta_dtype=session.delta_dtype,
+                    delta_url=self.store.url_put(self._delta_name(round_num, host)),
+                )
+                for host in hosts
+            }  # fmt: skip
         if self.state is not None:
             self.state.save_inflight(round_num, {host: task.id for host, task in pending.items()})
         if self._on_round_start is not None:
             self._on_round_start(round_num, {host: result.id for host, result in pending.items()})
-        outcomes, mean, folded_errors = self._collect(round_num, pending)
+        outcomes, mean, folded_errors = self._collect(round_num, pending, clock)
         excluded = {h: why for h, o in outcomes.items() if (why := round_failure(o) or folded_errors.get(h))}
         included = sorted(h for h in outcomes if h not in excluded)
         losses = {h: loss for h in included if (loss := _loss(outcomes[h])) is not None}
@@ -298,10 +303,16 @@ class Orchestrator:
         kept = len(included) < session.min_hosts
         if kept:
             self.note(None, "model-kept", round_num, completed=len(included), min_hosts=session.min_hosts)
-        via = self._sync(round_num, None if kept else self.outer.step(self.global_state, mean))
+        with clock.phase("outer"):
+            new_state = None if kept else self.outer.step(self.global_state, mean)
+        via = self._sync(round_num, new_state, clock)
+        host_phases = {h: worker_phases(o.result) for h, o in outcomes.items() if o.completed}
+        for host, seconds in self.elastic.apply_s.items():
+            host_phases.setdefault(host, {})["apply"] = seconds
         summary = RoundSummary(
             round_num, losses, included, excluded, via, self.global_hash, time.monotonic() - started, kept,
             sorted(h for h, o in outcomes.items() if o.ending is Ending.LOST), self.membership.active(),
+            clock.to_json(), host_phases,
         )  # fmt: skip
         self.history.append(summary)
         if self.state is not None:  # the model is in already (or unchanged): the rest of the state
@@ -318,7 +329,7 @@ class Orchestrator:
         return f"deltas/round-{round_num}/{self._run_id}/{host}.safetensors.zst"
 
     def _collect(
-        self, round_num: int, pending: Mapping[str, Any]
+        self, round_num: int, pending: Mapping[str, Any], clock: PhaseClock
     ) -> tuple[dict[str, Outcome], dict[str, torch.Tensor], dict[str, str]]:
         """Wait for the round (deadlines, heartbeats), folding each delta as it is reported;
         returns the outcomes, the mean of the good deltas, and why the others were refused."""
@@ -336,9 +347,11 @@ class Orchestrator:
         session = self.session
         try:
             deadline = Deadline(session.round_deadline_s, session.quorum, session.grace_s)
-            outcomes = self.waiter.wait(pending, deadline, on_outcome=fold)
-            errors = {host: f.error for host, f in folder.results().items() if f.error}
-            mean = folder.mean.mean() if folder.mean.count else {}
+            with clock.phase("wait"):
+                outcomes = self.waiter.wait(pending, deadline, on_outcome=fold)
+            with clock.phase("fold"):  # what folding adds after the last result is in
+                errors = {host: f.error for host, f in folder.results().items() if f.error}
+                mean = folder.mean.mean() if folder.mean.count else {}
         finally:
             folder.close()
         return outcomes, mean, errors
@@ -357,20 +370,25 @@ class Orchestrator:
 
     # ------------------------------------------------------------ the sync
 
-    def _sync(self, round_num: int, new_state: dict[str, torch.Tensor] | None) -> dict[str, str]:
+    def _sync(
+        self, round_num: int, new_state: dict[str, torch.Tensor] | None, clock: PhaseClock
+    ) -> dict[str, str]:
         """Publish the new global model and bring every active host to it."""
         self.round_done = round_num
         if new_state is None:  # nothing to average: the model, and what every host holds, stay
             return {}
-        sync = self.sync_feedback.build(self.global_state, new_state)
         delta_name = f"sync/round-{round_num}-{self._run_id}.safetensors.zst"
         delta_file = os.path.join(self._scratch, "sync.zst")
-        write_delta(sync.delta, delta_file)
-        self.store.publish(delta_name, delta_file)
-        self.global_state, self.global_hash = sync.result, sync.result_hash
-        # Checkpointed before any host is told: a crash from here on resumes with this model.
-        self._model_name = self._publish_global(self._checkpoint() or self._model_file(sync.result))
-        return self.elastic.sync_all(round_num, self.store.url_get(delta_name), sync.base_hash)
+        with clock.phase("sync_build"):
+            sync = self.sync_feedback.build(self.global_state, new_state)
+            write_delta(sync.delta, delta_file)
+        with clock.phase("publish"):
+            self.store.publish(delta_name, delta_file)
+            self.global_state, self.global_hash = sync.result, sync.result_hash
+            # Checkpointed before any host is told: a crash from here on resumes with this model.
+            self._model_name = self._publish_global(self._checkpoint() or self._model_file(sync.result))
+        with clock.phase("apply"):
+            return self.elastic.sync_all(round_num, self.store.url_get(delta_name), sync.base_hash)
 
     def _model_file(self, state: Mapping[str, torch.Tensor]) -> str:
         path = os.path.join(self._scratch, "global.safetensors")

@@ -63,6 +63,7 @@ class Driver(Protocol):
 class Elastic:
     def __init__(self, orchestrator: Driver) -> None:
         self.o = orchestrator
+        self.apply_s: dict[str, float] = {}  # the last sync: each host's own apply time
 
     # ------------------------------------------------------------ boundaries
 
@@ -160,6 +161,7 @@ class Elastic:
     def sync_all(self, round_num: int, delta_url: str, base_hash: str) -> dict[str, str]:
         """Bring every active host from ``base_hash`` to the orchestrator's new global model."""
         o, m = self.o, self.o.membership
+        self.apply_s = {}
         self.poll_joins(round_num, base_hash)  # joined during the round: they hold the base too
         hosts = m.active()
         refresh = self._shards_if_due(hosts)
@@ -203,6 +205,10 @@ class Elastic:
             held = (outcome.result or {}).get("model_hash")
             if outcome.ending is Ending.RESULT and held == o.global_hash:
                 via[host] = str((outcome.result or {}).get("via", "delta"))
+                # The worker's own time (a resync's, when its first try did not hold).
+                seconds = (outcome.result or {}).get("seconds")
+                if isinstance(seconds, int | float):
+                    self.apply_s[host] = self.apply_s.get(host, 0.0) + float(seconds)
             elif outcome.ending is Ending.RESULT:
                 failed[host] = f"holds {held} after the sync, not {o.global_hash}"
             else:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -40,25 +42,25 @@ def ship_delta(
     path = dirs.round_delta(request.spec.round_num)
     dtype, delta_url = request.delta_format, request.delta_url
     feedback = ErrorFeedback(work_dir) if isinstance(dtype, QuantScheme) and error_feedback else None
+    started = time.monotonic()
     with contextlib.ExitStack() as stack:
         residual = stack.enter_context(feedback.next_round()) if feedback is not None else None
         with map_exceptions({}, where="the work dir (trained delta)"):
             written = write_result_delta(model_path, trained or {}, path, dtype=dtype, feedback=residual)
             if not delta_url and residual is not None:
                 residual.commit()  # kept in the work dir: delivered
+        info = DeltaInfo(
+            written.bytes, written.hash, written.dtype, written.keys, write_s=time.monotonic() - started
+        )
         if not delta_url:
-            return DeltaInfo(written.bytes, written.hash, written.dtype, written.keys, path=path)
+            return replace(info, path=path)
+        uploading = time.monotonic()
         try:
             transfer.upload(path, delta_url, config=transfer_config, abort=abort)
         finally:
             os.unlink(path)
+        info = replace(info, url=str(delta_url), upload_s=time.monotonic() - uploading)  # str: redacted
         if residual is not None:
             with map_exceptions({}, where="the work dir (error feedback)"):
                 residual.commit()
-    return DeltaInfo(
-        written.bytes,
-        written.hash,
-        written.dtype,
-        written.keys,
-        url=str(delta_url),  # redacted
-    )
+    return info

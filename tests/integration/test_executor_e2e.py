@@ -76,6 +76,10 @@ def test_rounds_and_bit_exact_sync(env, model_name: str) -> None:
     assert second.status is RoundStatus.COMPLETED, second.error
     assert second.delta is not None and second.delta.url and "sig" not in second.delta.url
     assert state_hash(read_delta(str(root / "uploads" / "r1.zst"))) == second.delta.hash
+    # Where shipping went, timed: the write and the PUT (bench.goodput reads them).
+    shipped = second.to_json()["delta"]
+    assert shipped["write_s"] > 0 and shipped["upload_s"] > 0, shipped
+    assert server.requests[-1].method == "PUT"
     # Round 1 trains on from round 0's synced model, so it is strictly better, step for step on
     # average (deterministic: CPU, seeded model and shards) — a round that restarted from the
     # original model, or lost the sync, would not be.

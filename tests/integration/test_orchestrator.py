@@ -15,6 +15,7 @@ from orchestrator.artifacts import ArtifactServer
 from orchestrator.checkpoint import StateDir
 from orchestrator.demo import TRAIN, build_model, build_shards
 from orchestrator.diloco import Orchestrator, Session, pick_hosts
+from orchestrator.phases import PHASES
 from settings import Settings
 from tasks.client import RoundClient
 from tests.support.redis_server import RedisServer, free_port
@@ -85,6 +86,15 @@ def test_three_rounds_keep_every_worker_bit_identical(cluster, tmp_path: Path) -
         held = {host: status["model_hash"] for host, status in orchestrator.statuses().items()}
         assert set(held.values()) == {orchestrator.global_hash} == {state_hash(orchestrator.global_state)}
         assert summary.model_hash == orchestrator.global_hash
+        # Where the round's wall time went, every phase of the loop timed, in loop order.
+        assert list(summary.phases) == list(PHASES), summary.phases
+        assert summary.phases["wait"] > 0 and summary.phases["apply"] > 0
+        assert sum(summary.phases.values()) <= summary.seconds
+        # And each host's own account of its side: the round, its delta's write and PUT, the sync.
+        assert set(summary.host_phases) == set(hosts)
+        for phases in summary.host_phases.values():
+            assert list(phases) == ["training", "delta_write", "upload", "apply"], phases
+            assert all(seconds > 0 for seconds in phases.values()), phases
     orchestrator.close()
     # Each worker's metrics saw the rounds.
     for host, port in ports.items():
@@ -162,6 +172,7 @@ def test_stragglers_are_stopped_after_quorum_and_grace_and_too_few_keep_the_mode
     second = orchestrator.round(1, 3)  # one completes, two are needed: the model stays as it was
     assert second.kept and second.included == ["orch-a"] and second.model_hash == before
     assert orchestrator.global_hash == before and second.via == {}
+    assert list(second.phases) == ["dispatch", "wait", "fold", "outer"]  # no sync to build, publish, apply
     session.quorum = 1.0  # wait for everyone (a runner stopped twice may start slower than a grace)
     third = orchestrator.round(2, 3)
     assert not third.kept and third.included == hosts and third.model_hash != before
