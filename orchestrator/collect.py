@@ -4,10 +4,10 @@ A round ends at ``round_deadline_s``, or once ``quorum`` of its hosts have compl
 ``grace_s``, whichever comes first; every task still running then is a **straggler**: it is
 stopped (:meth:`tasks.client.RoundClient.stop`, which also keeps a task that has not
 started from ever starting) and left out of the mean. Meanwhile the hosts' heartbeats are
-read every ``poll_s``: a host whose heartbeat has expired is **lost** at once (within the
-heartbeat TTL plus a poll of its last beat), its task stopped the same way so that it never
-runs late, and the wait goes on without it. The same waiter, without a quorum, bounds the
-loads and syncs.
+read every ``poll_s`` (the results more often, ``RESULT_POLL_S``): a host whose heartbeat
+has expired is **lost** at once (within the heartbeat TTL plus a poll of its last beat), its
+task stopped the same way so that it never runs late, and the wait goes on without it. The
+same waiter, without a quorum, bounds the loads and syncs.
 
 A task the host's gate refused (unsigned, untrusted, expired, a replay: DESIGN §11) never
 runs and has no result; the waiter finds the refusal in the host's events stream and ends
@@ -37,6 +37,11 @@ from celery.result import AsyncResult
 from tasks.client import RoundClient
 
 POLL_S = 0.25
+# A result is one GET in the backend per pending task: read every 20 ms while few are pending
+# (a round's end, a sync's, waited on for half a poll less on average: 2 a round, bench.goodput),
+# no faster than 2 ms per pending task, so that a fleet's wait costs the backend what it did.
+RESULT_POLL_S = 0.02
+RESULT_POLL_PER_TASK_S = 0.002
 REFUSAL_LOOKBACK_S = 300.0  # a wait's first read of the events reaches back this far: the task
 # was sent before the wait began, and the worker's clock may be behind ours
 REFUSALS_KEPT = 4096  # refused task ids remembered (a flood of forged refusals stays bounded)
@@ -159,8 +164,17 @@ class Waiter:
                         )
                     )
             if waiting:
-                time.sleep(self.poll_s)
+                self._nap(waiting)
         return outcomes
+
+    def _nap(self, waiting: Mapping[str, AsyncResult]) -> None:
+        """Up to ``poll_s``, ended early once a pending task's result is in."""
+        tick = min(self.poll_s, max(RESULT_POLL_S, RESULT_POLL_PER_TASK_S * len(waiting)))
+        until = time.monotonic() + self.poll_s
+        while True:
+            time.sleep(min(tick, max(0.0, until - time.monotonic())))
+            if time.monotonic() >= until or any(task.ready() for task in waiting.values()):
+                return
 
     def finished(self, host: str, task: AsyncResult, seconds: float) -> Outcome:
         try:

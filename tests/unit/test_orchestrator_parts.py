@@ -378,6 +378,21 @@ def test_a_host_whose_heartbeat_expires_is_lost_within_the_ttl_plus_a_second(bea
     assert stop_requested(client, pending["a"].id) and stop_requested(client, pending["b"].id)
 
 
+def test_a_result_ends_the_wait_without_waiting_out_the_heartbeat_poll(beats: Beats) -> None:
+    # Heartbeats and refusals are read every poll_s; a stored result is seen within a tick of
+    # it (two waits a round: a round's end and its sync's), not at the next poll.
+    client = beats.client
+    beats.beat("a")
+    pending = {"a": client.run_round("a", steps=1)}  # nobody consumes it: the result is stored by hand
+    result = {"status": "completed", "training_time": 0.1, "report": None, "error": None, "delta": None}
+    threading.Timer(0.3, lambda: client.app.backend.store_result(pending["a"].id, result, "SUCCESS")).start()
+    waiter = Waiter(client, Membership(client, "t", max_hosts=1).alive, poll_s=30.0)
+    started = time.monotonic()
+    outcomes = waiter.wait(pending, Deadline(deadline_s=60.0))
+    assert outcomes["a"].ending is Ending.RESULT and outcomes["a"].result == result
+    assert time.monotonic() - started < 10.0, "the wait slept out its heartbeat poll"
+
+
 def _refuse(client: RoundClient, host: str, task_id: str, reason: str = "untrusted_signer") -> None:
     """A refusal as ``host``'s gate publishes it (tasks.trust.gate.Refusals)."""
     name = "roundhouse.run_round"
