@@ -244,6 +244,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", choices=("sleep", "mlp"), default="sleep")
     p.add_argument("--sandbox", default="auto" if bwrap_works() else "off")
     p.add_argument("--modes", default="sequential", choices=("sequential",))
+    p.add_argument(
+        "--scratch", default=None,
+        help="where the workers' dirs, caches and the store live (default ./var, this VM's disk, "
+        "whose writeback a model-sized write a round runs into; /dev/shm: the loop without the disk)",
+    )  # fmt: skip
     return p
 
 
@@ -254,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = [int(x) for x in args.mb.split(",")]
     records: list[dict[str, Any]] = []
-    machine = f"{os.cpu_count()} cores, no GPU (compute simulated: {args.compute_s} s asleep a round)"
-    with scratch() as base:
+    machine = (
+        f"{os.cpu_count()} cores, no GPU (compute simulated: {args.compute_s} s asleep a round), "
+        f"files on {args.scratch or 'the disk (./var)'}"
+    )
+    with scratch(args.scratch) as base:
         for rate, hosts in itertools.product(args.rate.split(","), [int(x) for x in args.hosts.split(",")]):
             with cluster(base / f"{rate}-{hosts}", rate, hosts, args.sandbox) as (net, made):
                 for megabytes in sizes:

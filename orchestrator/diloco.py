@@ -102,12 +102,18 @@ class OuterOptimizer:
             if key not in avg_delta or not value.dtype.is_floating_point:
                 new[key] = value
                 continue
-            grad = -avg_delta[key].to(torch.float32)
+            # g = -avg; v = mu v + g; nesterov: theta - lr (g + mu v), else theta - lr v. In
+            # place where it can be (one pass less over the model per term: bench.goodput "outer").
+            avg = avg_delta[key].to(torch.float32)
             velocity = self.velocity.get(key)
-            velocity = grad.clone() if velocity is None else velocity.mul_(self.momentum).add_(grad)
+            velocity = -avg if velocity is None else velocity.mul_(self.momentum).sub_(avg)
             self.velocity[key] = velocity
-            update = grad + self.momentum * velocity if self.nesterov else velocity
-            new[key] = (value.to(torch.float32) - self.lr * update).to(value.dtype)
+            if self.nesterov:
+                stepped = torch.add(value.to(torch.float32), avg, alpha=self.lr)
+                stepped.add_(velocity, alpha=-self.lr * self.momentum)
+            else:
+                stepped = torch.add(value.to(torch.float32), velocity, alpha=-self.lr)
+            new[key] = stepped.to(value.dtype)
         return new
 
     def settings(self) -> dict[str, Any]:
@@ -380,7 +386,8 @@ class Orchestrator:
         delta_name = f"sync/round-{round_num}-{self._run_id}.safetensors.zst"
         delta_file = os.path.join(self._scratch, "sync.zst")
         with clock.phase("sync_build"):
-            sync = self.sync_feedback.build(self.global_state, new_state)
+            # The base is the model every host holds, whose hash the last sync computed.
+            sync = self.sync_feedback.build(self.global_state, new_state, base_hash=self.global_hash)
             write_delta(sync.delta, delta_file)
         with clock.phase("publish"):
             self.store.publish(delta_name, delta_file)

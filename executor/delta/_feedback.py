@@ -198,16 +198,17 @@ class SyncFeedback:
         new_state: Mapping[str, torch.Tensor],
         *,
         scheme: str = DEFAULT_SCHEME,
+        base_hash: str | None = None,
     ) -> SyncDelta:
         if not self.enabled:
-            return make_sync_delta(base_state, new_state, self.dtype, scheme=scheme)
+            return make_sync_delta(base_state, new_state, self.dtype, scheme=scheme, base_hash=base_hash)
         target = {
             name: value.detach().to("cpu", torch.float32) + self.residual[name]
             if name in self.residual and is_floating(value.dtype)
             else value
             for name, value in new_state.items()
         }
-        sync = make_sync_delta(base_state, target, self.dtype, scheme=scheme)
+        sync = make_sync_delta(base_state, target, self.dtype, scheme=scheme, base_hash=base_hash)
         self.residual = {
             name: value.to(torch.float32) - sync.result[name]
             for name, value in target.items()

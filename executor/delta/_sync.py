@@ -112,9 +112,12 @@ def make_sync_delta(
     dtype: DeltaFormat | str = torch.float16,
     *,
     scheme: str = DEFAULT_SCHEME,
+    base_hash: str | None = None,
 ) -> SyncDelta:
     """The sync delta from ``base_state`` towards ``new_state``, cast to ``dtype``; its two
     hashes in ``scheme`` (the session's, ``sha256`` unless the orchestrator chose ``blake3``).
+    ``base_hash``: the base's hash in ``scheme`` when the caller holds it already (the
+    orchestrator does: the last sync's result hash), so that only the result is hashed.
 
     ``result`` is not ``new_state``: it is ``base + cast(delta)`` in fp32, which is what
     a worker will compute, so it is what the full-download fallback must serve.
@@ -144,7 +147,8 @@ def make_sync_delta(
                 added = delta[name] = diff.to(fmt).contiguous()
         result[name] = apply_rule(base, added)
     wire = QuantizedDelta(fmt, quantized) if isinstance(fmt, QuantScheme) else delta
-    return SyncDelta(wire, state_hash(base_state, scheme=scheme), state_hash(result, scheme=scheme), result)
+    base_hash = base_hash or state_hash(base_state, scheme=scheme)
+    return SyncDelta(wire, base_hash, state_hash(result, scheme=scheme), result)
 
 
 def apply_sync_delta_state(

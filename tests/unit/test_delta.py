@@ -166,6 +166,17 @@ def test_streaming_apply_in_small_slices(tmp_path: Path, monkeypatch: pytest.Mon
     assert D.file_state_hash(str(model)) == sync.result_hash
 
 
+def test_a_sync_delta_built_on_a_known_base_hash_is_the_same_without_hashing_the_base() -> None:
+    base = sample_state()
+    new = {k: v.float() * 1.5 if v.is_floating_point() else v for k, v in base.items()}
+    full = D.make_sync_delta(base, new)
+    known = D.make_sync_delta(base, new, base_hash=full.base_hash)
+    assert (known.base_hash, known.result_hash) == (full.base_hash, full.result_hash)
+    assert all(torch.equal(known.delta[k], full.delta[k]) for k in full.delta)
+    # The hash given is the one carried: the caller vouches for it (the orchestrator's last result).
+    assert D.make_sync_delta(base, new, base_hash="sha256:" + "0" * 64).base_hash == "sha256:" + "0" * 64
+
+
 def _safetensors_reversed(state: dict[str, torch.Tensor]) -> bytes:
     """A valid safetensors file whose data lies in reverse key order."""
     names = sorted(state, reverse=True)

@@ -21,6 +21,7 @@ import zstandard
 from executor import transfer
 from executor.configs import transfer_config
 from executor.delta import state_hash, write_delta
+from executor.fileio import atomic_writer
 from orchestrator.aggregate import DeltaFolder, DeltaRejected, RunningMean
 from orchestrator.artifacts import ArtifactServer
 from orchestrator.checkpoint import Checkpoint, CheckpointError, StateDir
@@ -53,6 +54,21 @@ def test_signed_urls_are_required_and_expire(store: ArtifactServer, tmp_path: Pa
     assert requests.get(store.url_get("a/blob", expires_s=-1), timeout=10).status_code == 403
     traversal = store.url_get("../../etc/passwd")
     assert requests.get(traversal, timeout=10).status_code in (403, 404)
+
+
+def test_publishing_links_the_file_and_a_rewritten_source_leaves_it_as_published(
+    store: ArtifactServer, tmp_path: Path
+) -> None:
+    # Same file system: a hard link, not a model-sized copy a round.
+    source = tmp_path / "global.safetensors"
+    source.write_bytes(b"round one")
+    url = store.publish("model/global", source)
+    assert os.stat(store.path("model/global")).st_ino == os.stat(source).st_ino
+    # The orchestrator rewrites its files whole (a new inode): the published bytes stay.
+    with atomic_writer(str(source)) as file:
+        file.write(b"round two")
+    assert requests.get(url, timeout=10).content == b"round one"
+    assert store.publish("model/global", source) and requests.get(url, timeout=10).content == b"round two"
 
 
 def test_ranges_and_atomic_puts_work_with_the_executors_transfer(
