@@ -17,22 +17,12 @@ Inside the package each module imports only those above it in this list.
 """
 
 from executor.session._keeper import SessionConfig, SessionKeeper
-from executor.session._manifest import Manifest, drop_manifest, read_manifest, write_manifest
-from executor.session._model import InstalledModel, ModelFiles, ModelLimits, Synced, model_fingerprint
-from executor.session._requests import (
-    DELTA_DTYPES,
-    QUANT_DTYPES,
-    LoadRequest,
-    QuantConfig,
-    RoundRequest,
-    SyncRequest,
-)
-from executor.session._shipping import ship_delta
+from executor.session._manifest import Manifest, drop_manifest, read_manifest
+from executor.session._model import InstalledModel, ModelFiles, ModelLimits, model_fingerprint
+from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._state import Session
 
 __all__ = [
-    "DELTA_DTYPES",
-    "QUANT_DTYPES",
     "InstalledModel",
     "LoadRequest",
     "Manifest",
@@ -44,10 +34,7 @@ __all__ = [
     "SessionConfig",
     "SessionKeeper",
     "SyncRequest",
-    "Synced",
     "drop_manifest",
     "model_fingerprint",
     "read_manifest",
-    "ship_delta",
-    "write_manifest",
 ]
