@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from orchestrator.checkpoint import StateDir
 from orchestrator.collect import POLL_S, Deadline, Ending, Outcome, Waiter
 from orchestrator.membership import HostState, Join, Membership, join_kind
+from orchestrator.phases import seconds
 from tasks.client import RoundClient
 
 
@@ -206,9 +207,8 @@ class Elastic:
             if outcome.ending is Ending.RESULT and held == o.global_hash:
                 via[host] = str((outcome.result or {}).get("via", "delta"))
                 # The worker's own time (a resync's, when its first try did not hold).
-                seconds = (outcome.result or {}).get("seconds")
-                if isinstance(seconds, int | float):
-                    self.apply_s[host] = self.apply_s.get(host, 0.0) + float(seconds)
+                if (took := seconds((outcome.result or {}).get("seconds"))) is not None:
+                    self.apply_s[host] = self.apply_s.get(host, 0.0) + took
             elif outcome.ending is Ending.RESULT:
                 failed[host] = f"holds {held} after the sync, not {o.global_hash}"
             else:

@@ -10,6 +10,7 @@ round's result; the apply, in the sync's).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -39,14 +40,25 @@ class PhaseClock:
         return {name: round(self.seconds[name], 6) for name in PHASES if name in self.seconds}
 
 
+def seconds(value: object) -> float | None:
+    """A duration a worker reported, or None: its results are data from the broker, so only a
+    finite, non-negative number counts (not a string, a bool, NaN or infinity)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
 def worker_phases(result: Mapping[str, Any] | None) -> dict[str, float]:
     """A worker's own account of its round, from ``run_round``'s result: the tenant code's time
-    (``training``), and the trained delta's write and upload (seconds)."""
+    (``training``), and the trained delta's write and upload (seconds); what it did not say, or
+    said as something else than a duration, is left out."""
     if not result:
         return {}
-    out = {"training": float(result.get("training_time") or 0.0)}
-    delta = result.get("delta") or {}
-    for key, name in (("write_s", "delta_write"), ("upload_s", "upload")):
-        if isinstance(delta.get(key), int | float):
-            out[name] = float(delta[key])
-    return out
+    delta = result.get("delta")
+    delta = delta if isinstance(delta, Mapping) else {}
+    said = [
+        ("training", result.get("training_time")),
+        ("delta_write", delta.get("write_s")),
+        ("upload", delta.get("upload_s")),
+    ]
+    return {name: value for name, raw in said if (value := seconds(raw)) is not None}

@@ -28,6 +28,7 @@ from orchestrator.checkpoint import Checkpoint, CheckpointError, StateDir
 from orchestrator.collect import Deadline, Ending, Waiter, round_failure
 from orchestrator.diloco import OuterOptimizer, RoundSummary, Session, mean_delta
 from orchestrator.membership import MAX_FAILURES, HostState, Membership, join_kind
+from orchestrator.phases import PhaseClock, worker_phases
 from orchestrator.s3 import presign
 from settings import Settings
 from tasks.client import RoundClient
@@ -113,6 +114,28 @@ def test_nesterov_momentum_follows_its_formula() -> None:
     assert torch.allclose(first["w"], torch.tensor([1.0 + 0.5 * 0.38]))
     second = opt.step(first, delta)  # v = 0.9 * -0.2 - 0.2 = -0.38, update = -0.2 + 0.9 * -0.38
     assert torch.allclose(second["w"], first["w"] + 0.5 * (0.2 + 0.9 * 0.38))
+
+
+def test_a_rounds_phases_are_timed_in_loop_order_and_a_workers_account_is_only_numbers() -> None:
+    clock = PhaseClock()
+    for name in ("fold", "dispatch", "fold"):
+        with clock.phase(name):
+            time.sleep(0.01)
+    assert list(clock.to_json()) == ["dispatch", "fold"] and clock.seconds["fold"] >= 0.02
+    with pytest.raises(ValueError), clock.phase("lunch"):
+        pass
+    honest = {"training_time": 2.5, "delta": {"write_s": 0.25, "upload_s": 1, "hash": "x"}}
+    assert worker_phases(honest) == {"training": 2.5, "delta_write": 0.25, "upload": 1.0}
+    # A worker's result is data from the broker: what is not a finite, non-negative duration
+    # is left out, never raised on (it would end the orchestrator's round) nor written to the
+    # checkpoint (NaN is not JSON).
+    for hostile in (
+        {"training_time": "2.5", "delta": ["write_s"]},
+        {"training_time": float("nan"), "delta": {"write_s": float("inf"), "upload_s": -1.0}},
+        {"training_time": True, "delta": {"write_s": None, "upload_s": {"s": 1}}},
+    ):
+        assert worker_phases(hostile) == {}, hostile
+    assert worker_phases(None) == {} and worker_phases({"training_time": 1}) == {"training": 1.0}
 
 
 def test_s3_presigning_matches_the_aws_documented_example() -> None:
