@@ -171,10 +171,6 @@ class ModelFiles:
         finally:
             remove_tree(staging, ignore_errors=True)
 
-    def fetch(self, model_url: Url, what: str, dest_dir: str) -> artifacts.ModelArtifact:
-        """Download a model and turn it into the canonical file in ``dest_dir``."""
-        return self.fetch_hashed(model_url, what, dest_dir)[0]
-
     def fetch_hashed(
         self,
         model_url: Url,

@@ -63,7 +63,7 @@ def check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def check_url(name: str, value: object) -> Url | None:
+def optional_url(name: str, value: object) -> Url | None:
     """An optional URL argument as a :class:`Url` (shown redacted from here on)."""
     return None if value is None or value == "" else required_url(name, value)
 
@@ -168,7 +168,7 @@ class RoundRequest:
         self, delta_url: object, delta_format: DeltaFormat, policy: UrlCheck | None = None
     ) -> RoundRequest:
         """This round with its delta sent elsewhere (the seed's ``finish_round`` names it late)."""
-        url = check_url("delta_url", delta_url)
+        url = optional_url("delta_url", delta_url)
         if url is not None and policy is not None:
             policy(url)
         return replace(self, delta_url=url, delta_format=delta_format)
@@ -202,7 +202,7 @@ class SyncRequest:
                 raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
         return cls(
             url,
-            check_url("delta_url", delta_url),
+            optional_url("delta_url", delta_url),
             base_hash or None,  # type: ignore[arg-type]
             result_hash or None,  # type: ignore[arg-type]
             check_params(params) if params is not None else None,
