@@ -22,8 +22,14 @@ and the orchestrator's (dispatch, the fold left after the last result, outer ste
 publish, apply: the whole sync, every host's apply in it); "other" is the rest of the round's
 wall time (task hand-offs, results through the backend).
 
-Modes: ``sequential`` (run → upload → fold → outer step → sync → apply → next round). The
-overlapped mode of issue 28 is not built yet; its column joins this table when it is.
+Modes (``--modes``, side by side on the same cluster): ``sequential`` (run → upload → fold →
+outer step → sync → apply → next round) and ``overlapped`` (docs/OVERLAP.md: the next round is
+dispatched once the last one's results are in; the outer step, sync build, publish and the sync's
+apply run while it trains). An overlapped round's wall time is from its dispatch to the next
+one's; its bars are the hosts' own idle time at the round's end (delta write, upload, the wait
+for the sync, the working copy's rebase) and "other" (hand-offs); the orchestrator's phases ran
+beside the round, so they are not stacked (they are in the JSON). Its steady rounds leave out
+the last one too: it ends with the sequential sync that brings every host to the final model.
 
 Writes ``bench/results/goodput.json`` and ``bench/results/goodput.png`` (a stacked bar per
 configuration). Namespaces, veths, Redis and the workers are removed afterwards.
@@ -71,7 +77,7 @@ save_model(state)
 save_report({"compute_s": float(params["compute_s"])})
 """
 
-WORKER_SIDE = ("compute", "tenant save", "delta write", "upload")
+WORKER_SIDE = ("compute", "tenant save", "delta write", "upload", "sync wait", "rebase")
 ORCHESTRATOR_SIDE = ("dispatch", "fold", "outer", "sync_build", "publish", "apply")
 
 
@@ -131,7 +137,7 @@ def cluster(base: Path, rate: str, hosts: int, sandbox: str) -> Iterator[tuple[n
 
 
 def run_session(
-    made: Cluster, net: netns.Network, root: Path, args: argparse.Namespace, megabytes: int
+    made: Cluster, net: netns.Network, root: Path, args: argparse.Namespace, megabytes: int, mode: str
 ) -> list[RoundSummary]:
     """One training session of ``args.rounds`` rounds over every worker of ``made``."""
     with ArtifactServer(root, host=net.host_address) as store:
@@ -139,6 +145,7 @@ def run_session(
         session = Session(
             made.hosts, shards, code, params=params, steps=args.steps, tenant=f"goodput{megabytes}",
             delta_dtype=args.delta_dtype, sync_timeout_s=1800, round_deadline_s=1800,
+            overlap=mode == "overlapped",
         )  # fmt: skip
         orchestrator = Orchestrator(made.client, store, model, session)
         try:
@@ -167,6 +174,8 @@ def tenant(
 def measure(summaries: list[RoundSummary], hosts: list[str], compute_s: float) -> dict[str, Any]:
     """GPU busy and the loop's phases over the steady rounds (all but the first)."""
     steady = summaries[1:] or summaries
+    if summaries and summaries[-1].overlap and len(steady) > 1:
+        steady = steady[:-1]  # the last ends with the sequential sync of the final model
     wall = sum(s.seconds for s in steady)
     busy = {h: compute_s * sum(h in s.included for s in steady) / wall for h in hosts}
     per_round = [round_phases(s, compute_s) for s in steady]
@@ -189,8 +198,14 @@ def round_phases(summary: RoundSummary, compute_s: float) -> dict[str, float]:
         "tenant save": max(0.0, training - compute_s),
         "delta write": max((h.get("delta_write", 0.0) for h in hosts), default=0.0),
         "upload": max((h.get("upload", 0.0) for h in hosts), default=0.0),
+        "sync wait": max((h.get("sync_wait", 0.0) for h in hosts), default=0.0),
+        "rebase": max((h.get("rebase", 0.0) for h in hosts), default=0.0),
     }
-    out.update({name: summary.phases.get(name, 0.0) for name in ORCHESTRATOR_SIDE})
+    # Overlapped: the orchestrator's phases but the dispatch ran while the hosts trained.
+    beside = summary.overlap
+    out.update(
+        {n: 0.0 if beside and n != "dispatch" else summary.phases.get(n, 0.0) for n in ORCHESTRATOR_SIDE}
+    )
     out["other"] = max(0.0, summary.seconds - sum(out.values()))
     return out
 
@@ -202,7 +217,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [*WORKER_SIDE, *ORCHESTRATOR_SIDE, "other"]
-    labels = [f"{r['mb']} MB\n{r['hosts']} h\n{r['rate']}" for r in records]
+    labels = [f"{r['mode'][:3]}\n{r['mb']} MB\n{r['hosts']} h\n{r['rate']}" for r in records]
     figure, axes = plt.subplots(figsize=(max(6, 1.1 * len(records)), 5))
     bottom = [0.0] * len(records)
     colors = plt.get_cmap("tab20")
@@ -214,7 +229,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     for x, record in enumerate(records):
         axes.annotate(f"{record['gpu_busy']['total']:.2f}", (x, bottom[x]), ha="center", va="bottom")
     axes.set_ylabel("seconds per round (median, steady rounds); GPU busy on top")
-    axes.set_title(f"bench.goodput: where a round's wall time goes ({records[0]['mode']})")
+    axes.set_title("bench.goodput: where a round's wall time goes (seq: sequential, ove: overlapped)")
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -243,7 +258,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--delta-dtype", default="float16")
     p.add_argument("--tenant", choices=("sleep", "mlp"), default="sleep")
     p.add_argument("--sandbox", default="auto" if bwrap_works() else "off")
-    p.add_argument("--modes", default="sequential", choices=("sequential",))
+    p.add_argument("--modes", default="sequential,overlapped", help="sequential, overlapped, or both")
     p.add_argument(
         "--scratch", default=None,
         help="where the workers' dirs, caches and the store live (default ./var, this VM's disk, "
@@ -266,12 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     with scratch(args.scratch) as base:
         for rate, hosts in itertools.product(args.rate.split(","), [int(x) for x in args.hosts.split(",")]):
             with cluster(base / f"{rate}-{hosts}", rate, hosts, args.sandbox) as (net, made):
-                for megabytes in sizes:
+                for megabytes, mode in itertools.product(sizes, args.modes.split(",")):
                     started = time.monotonic()
-                    summaries = run_session(
-                        made, net, base / f"store-{rate}-{hosts}-{megabytes}", args, megabytes
-                    )
-                    record = {"mode": "sequential", "mb": megabytes, "hosts": hosts, "rate": rate}
+                    store = base / f"store-{rate}-{hosts}-{megabytes}-{mode}"
+                    summaries = run_session(made, net, store, args, megabytes, mode)
+                    record = {"mode": mode, "mb": megabytes, "hosts": hosts, "rate": rate}
                     record.update(measure(summaries, made.hosts, args.compute_s))
                     record["session_s"] = time.monotonic() - started
                     records.append(record)

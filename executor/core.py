@@ -30,7 +30,7 @@ from executor.errors import CleanupFailed, InvalidRequest
 from executor.fileio import own_dir, remove_tree
 from executor.results import ApplyOutcome, ExecutorState, LoadResult, RoundResult
 from executor.rounds import RoundSpec
-from executor.session import LoadRequest, RoundRequest, Session, SyncRequest
+from executor.session import LoadRequest, RoundRequest, Session, SessionKeeper, SyncRequest
 from executor.shards import ShardCache
 from settings import Settings, get_settings
 
@@ -149,16 +149,9 @@ class Executor:
             raise InvalidRequest("a round is running on this worker: stop it before loading")
         self._parts.stop.clear()
         request = LoadRequest.parse(
-            model_url,
-            dataset_shards,
-            code,
-            batch_size,
-            params,
-            initial_shard_index,
-            tenant=tenant,
-            hash_scheme=hash_scheme,
-            max_script_bytes=self.config.session.max_script_bytes,
-        )
+            model_url, dataset_shards, code, batch_size, params, initial_shard_index,
+            tenant=tenant, hash_scheme=hash_scheme, max_script_bytes=self.config.session.max_script_bytes,
+        )  # fmt: skip
         result = self._keeper.load(request)
         self.original_state = None
         self._player.forget()
@@ -184,20 +177,15 @@ class Executor:
         *,
         delta_url: str | None = None,
         delta_dtype: str = "float16",
+        overlap: object = None,
     ) -> RoundRequest:
         """``run_round``'s arguments as one request, checked (the delta URL against the URL
-        policy too) before the round trains."""
+        policy too) before the round trains; ``overlap``: see :meth:`overlapped`."""
         return RoundRequest.parse(
-            steps,
-            round_num,
-            total_rounds,
-            mode,
-            step_offset,
-            delta_url=delta_url,
-            delta_dtype=delta_dtype,
-            quant=self.config.session.quant,
-            policy=partial(transfer.check_url, config=self.config.transfer),
-        )
+            steps, round_num, total_rounds, mode, step_offset, delta_url=delta_url, delta_dtype=delta_dtype,
+            quant=self.config.session.quant, policy=partial(transfer.check_url, config=self.config.transfer),
+            overlap=overlap,
+        )  # fmt: skip
 
     def run(
         self,
@@ -215,9 +203,15 @@ class Executor:
         if self.is_running():
             logger.warning("Executor already running")
             return
-        self._keeper.require()
+        self._keeper.begin_round(request)  # which file it starts from (overlap: W or G)
         self._round = request
         self._player.start(request.spec)
+
+    @property
+    def overlapped(self) -> SessionKeeper:
+        """An overlapped session's parts (docs/OVERLAP.md): ``sync_beside`` (the sync applied
+        to the global copy while a round trains) and ``rebase`` (the working copy, after it)."""
+        return self._keeper
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until tenant code finishes (or ``timeout_s`` passes); True when it has."""
@@ -287,7 +281,7 @@ class Executor:
         """The pre-round state from the model file (mmap-backed, loaded on demand)."""
         session = self._keeper.current
         if self.original_state is None and session is not None:
-            self.original_state = load_file(session.model_path)
+            self.original_state = load_file(session.start_path)
         return self.original_state
 
     def get_shard(self, i: int) -> Any:

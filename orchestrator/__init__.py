@@ -3,8 +3,9 @@
 It drives workers through :class:`tasks.client.RoundClient`; of the engine it uses the delta
 format and the streaming file helpers (``executor.delta``, ``executor.fileio``,
 ``executor.tensorfile``), and ``engine_demo`` the ``Executor`` itself. Modules, each importing
-only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.embedded_redis``,
-``tasks.trust.keys``, ``executor``, ``settings``; ``cli`` also ``tasks.cli``):
+only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.overlap``,
+``tasks.embedded_redis``, ``tasks.trust.keys``, ``executor``, ``settings``; ``cli`` also
+``tasks.cli``):
 
 - ``artifacts``: a directory over HTTP with HMAC-signed, expiring URLs (``ArtifactServer``)
 - ``s3``: an S3-compatible store reached by SigV4 presigned URLs (``S3Store``)
@@ -15,7 +16,11 @@ only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.embe
 - ``aggregate``: a round's trained deltas folded into one running sum as they arrive
 - ``elastic``: joins at round boundaries and the sync that follows a round
 - ``phases``: where a round's wall time goes, phase by phase (``PhaseClock``)
-- ``diloco``: the ``ArtifactStore`` protocol, the outer step and the ``Orchestrator``
+- ``outer``: the outer step (``OuterOptimizer``: SGD with Nesterov momentum on the mean delta)
+- ``records``: what a session trains (``Session``) and what each round did (``RoundSummary``)
+- ``overlap``: overlapped rounds: the next round trains while the last one's sync is built,
+  published and ordered on the hosts (docs/OVERLAP.md)
+- ``diloco``: the ``ArtifactStore`` protocol and the ``Orchestrator`` (the sequential round)
 - ``progress``: what ``roundhouse train`` and ``demo`` show (live progress, the loss)
 - ``train``: ``roundhouse train``, DiLoCo training of a user's own model
 - ``demo``: ``roundhouse demo``; ``engine_demo``: the engine alone, without Celery

@@ -228,3 +228,10 @@ def round_failure(outcome: Outcome) -> str | None:
         return f"{outcome.ending.value}: {outcome.reason}"
     error = outcome.result.get("error") or {}
     return f"{outcome.result.get('status')}: {error.get('code', '')} {error.get('message', '')}".strip()
+
+
+def round_loss(outcome: Outcome) -> float | None:
+    """The final loss a round's tenant reported (``final_loss``, else ``loss``), when a number."""
+    report = (outcome.result or {}).get("report") or {}
+    loss = report.get("final_loss", report.get("loss")) if isinstance(report, dict) else None
+    return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None

@@ -179,6 +179,7 @@ def parser() -> argparse.ArgumentParser:
     options.add_argument("--workers", type=int, default=2)
     options.add_argument("--out", default=os.path.join("var", "demo"))
     options.add_argument("--bind", default=get_settings().demo_bind)
+    options.add_argument("--overlap", action="store_true", help="overlapped rounds (docs/OVERLAP.md)")
     return options
 
 
@@ -196,6 +197,7 @@ def train_args(args: argparse.Namespace, base: Path) -> list[str]:
         "--shards", str(base / "shards"), "--params", json.dumps({"lr": 0.2}), "--tenant", "demo",
         "--hosts", str(args.workers), "--rounds", str(args.rounds), "--steps", str(args.steps),
         "--outer-lr", "0.8", "--outer-momentum", "0.5", "--out", args.out, "--bind", args.bind,
+        *(["--overlap"] if args.overlap else []),
     ]  # fmt: skip
 
 

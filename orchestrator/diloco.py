@@ -19,11 +19,9 @@ One training session over a changing set of workers:
    when its base does not match); a host whose sync fails is re-synced by a full download,
    and failing that is left to rejoin later, or dropped — the run never stops for one host.
 
-The outer step: each worker trains from the same global model θ and returns
-``Δ_i = θ_i − θ`` (its trained delta). The outer gradient is ``g = −mean(Δ_i)``; with
-momentum ``μ`` and learning rate ``η``: ``v ← μ v + g`` and ``θ ← θ − η (g + μ v)``
-(Nesterov) or ``θ − η v`` (plain). ``η = 1, μ = 0`` is plain averaging of the workers'
-models. Only floating tensors move.
+The outer step is :mod:`orchestrator.outer`'s. With ``Session(overlap=True)`` the rounds
+overlap (:mod:`orchestrator.overlap`, docs/OVERLAP.md): round k+1 trains while round k's
+deltas are folded and its sync travels to the hosts as a signed order, not a task.
 
 Artifacts live in an :class:`~orchestrator.artifacts.ArtifactStore` and workers reach them
 by URL only: :class:`orchestrator.artifacts.ArtifactServer` or :class:`orchestrator.s3.S3Store`.
@@ -31,14 +29,12 @@ by URL only: :class:`orchestrator.artifacts.ArtifactServer` or :class:`orchestra
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -49,10 +45,13 @@ from executor.tensorfile import write_state
 from orchestrator.aggregate import DeltaFolder
 from orchestrator.artifacts import ArtifactServer, ArtifactStore
 from orchestrator.checkpoint import Checkpoint, StateDir
-from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure
+from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure, round_loss
 from orchestrator.elastic import Elastic
 from orchestrator.membership import HostState, Membership
+from orchestrator.outer import OuterOptimizer, mean_delta
+from orchestrator.overlap import OverlappedLoop
 from orchestrator.phases import PhaseClock, worker_phases
+from orchestrator.records import RoundSummary, Session
 from tasks.client import RoundClient
 
 __all__ = [
@@ -68,125 +67,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def mean_delta(deltas: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The elementwise mean (fp32) of deltas held at once; a key a delta lacks counts as zero.
-    (The orchestrator folds them as they arrive instead: :class:`orchestrator.aggregate.RunningMean`.)"""
-    if not deltas:
-        raise ValueError("no deltas to average")
-    keys = sorted(set().union(*deltas))
-    out: dict[str, torch.Tensor] = {}
-    for key in keys:
-        total: torch.Tensor | None = None
-        for delta in deltas:
-            if key in delta:
-                value = delta[key].to(torch.float32)
-                total = value.clone() if total is None else total.add_(value)
-        assert total is not None
-        out[key] = total.div_(len(deltas))
-    return out
-
-
-@dataclass
-class OuterOptimizer:
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    velocity: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def step(
-        self, params: Mapping[str, torch.Tensor], avg_delta: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """The next global state from the current one and the averaged delta."""
-        new: dict[str, torch.Tensor] = {}
-        for key, value in params.items():
-            if key not in avg_delta or not value.dtype.is_floating_point:
-                new[key] = value
-                continue
-            # g = -avg; v = mu v + g; nesterov: theta - lr (g + mu v), else theta - lr v. In
-            # place where it can be (one pass less over the model per term: bench.goodput "outer").
-            avg = avg_delta[key].to(torch.float32)
-            velocity = self.velocity.get(key)
-            velocity = -avg if velocity is None else velocity.mul_(self.momentum).sub_(avg)
-            self.velocity[key] = velocity
-            if self.nesterov:
-                stepped = torch.add(value.to(torch.float32), avg, alpha=self.lr)
-                stepped.add_(velocity, alpha=-self.lr * self.momentum)
-            else:
-                stepped = torch.add(value.to(torch.float32), velocity, alpha=-self.lr)
-            new[key] = stepped.to(value.dtype)
-        return new
-
-    def settings(self) -> dict[str, Any]:
-        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
-
-
-@dataclass
-class RoundSummary:
-    round_num: int
-    losses: dict[str, float]
-    included: list[str]
-    excluded: dict[str, str]  # host -> why (failed, stopped, straggler, lost, bad delta)
-    via: dict[str, str]  # host -> "delta" | "full"
-    model_hash: str
-    seconds: float
-    kept: bool = False  # fewer than min_hosts completed: the model stayed as it was
-    lost: list[str] = field(default_factory=list)
-    members: list[str] = field(default_factory=list)  # active after the round's sync
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (orchestrator.phases)
-    # Each host's own account: training, delta_write, upload (its round), apply (its sync).
-    host_phases: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def mean_loss(self) -> float | None:
-        return sum(self.losses.values()) / len(self.losses) if self.losses else None
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RoundSummary:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-
-@dataclass
-class Session:
-    """What a session trains and how its rounds end (all of it is checkpointed).
-
-    ``shards`` are descriptors (DESIGN §3); one with a ``name`` lives in the artifact store
-    and gets a freshly signed URL whenever a host (re)joins, one with a ``url`` is used as
-    given. ``hosts`` are the starting hosts; ``max_hosts`` (default: as many) bounds the
-    active ones as hosts come and go, ``allowed_hosts`` (if given) names the only ones that
-    may join."""
-
-    hosts: list[str]
-    shards: list[dict[str, Any]]
-    code: str
-    params: dict[str, Any] = field(default_factory=dict)
-    steps: int = 20
-    batch_size: int = 32
-    tenant: str = "default"
-    delta_dtype: str = "float16"
-    sync_delta_dtype: str = "float16"  # or "int8" / "int4": quantised, with error feedback
-    round_deadline_s: float = 600.0
-    quorum: float = 1.0
-    grace_s: float = 30.0
-    min_hosts: int = 1
-    max_hosts: int | None = None
-    allowed_hosts: list[str] | None = None
-    join_wait_s: float = 30.0
-    sync_timeout_s: float = 600.0
-    url_ttl_s: float = 6 * 3600.0
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Session:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-
 class Orchestrator:
     def __init__(
         self,
@@ -198,6 +78,7 @@ class Orchestrator:
         outer: OuterOptimizer | None = None,
         on_round_start: Callable[[int, dict[str, str]], None] | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        on_summary: Callable[[RoundSummary], None] | None = None,
         state_dir: str | os.PathLike[str] | None = None,
         fetch_parallel: int = 4,
         deltas_in_memory: int = 2,
@@ -219,6 +100,7 @@ class Orchestrator:
         self.fetch_parallel, self.deltas_in_memory = fetch_parallel, deltas_in_memory
         self._on_round_start = on_round_start
         self._on_event = on_event
+        self._on_summary = on_summary
         self.state = StateDir(state_dir) if state_dir is not None else None
         # Fetched deltas, the sync delta: beside the checkpoint (a dead process's leftovers
         # are cleared at the next start), else in a temp dir.
@@ -274,6 +156,8 @@ class Orchestrator:
 
     def run(self, rounds: int) -> list[RoundSummary]:
         """Every round from the next one to ``rounds`` (the history has them all)."""
+        if self.session.overlap:
+            return OverlappedLoop(self).run(rounds)
         self.total_rounds = rounds
         for round_num in range(self.next_round, rounds):
             self.round(round_num, rounds)
@@ -292,26 +176,25 @@ class Orchestrator:
                 host: self.client.run_round(
                     host, steps=session.steps, round_num=round_num, total_rounds=total_rounds,
                     step_offset=round_num * session.steps, delta_dtype=session.delta_dtype,
-                    delta_url=self.store.url_put(self._delta_name(round_num, host)),
+                    delta_url=self.store.url_put(self.delta_name(round_num, host)),
                 )
                 for host in hosts
             }  # fmt: skip
         if self.state is not None:
             self.state.save_inflight(round_num, {host: task.id for host, task in pending.items()})
-        if self._on_round_start is not None:
-            self._on_round_start(round_num, {host: result.id for host, result in pending.items()})
-        outcomes, mean, folded_errors = self._collect(round_num, pending, clock)
+        self.round_started(round_num, {host: result.id for host, result in pending.items()})
+        outcomes, mean, folded_errors = self.collect(round_num, pending, clock)
         excluded = {h: why for h, o in outcomes.items() if (why := round_failure(o) or folded_errors.get(h))}
         included = sorted(h for h in outcomes if h not in excluded)
-        losses = {h: loss for h in included if (loss := _loss(outcomes[h])) is not None}
+        losses = {h: loss for h in included if (loss := round_loss(outcomes[h])) is not None}
         for host, outcome in outcomes.items():
-            self._note_outcome(round_num, outcome, excluded.get(host))
+            self.note_outcome(round_num, outcome, excluded.get(host))
         kept = len(included) < session.min_hosts
         if kept:
             self.note(None, "model-kept", round_num, completed=len(included), min_hosts=session.min_hosts)
         with clock.phase("outer"):
             new_state = None if kept else self.outer.step(self.global_state, mean)
-        via = self._sync(round_num, new_state, clock)
+        via = self.sync_now(round_num, new_state, clock)
         host_phases = {h: worker_phases(o.result) for h, o in outcomes.items() if o.completed}
         for host, seconds in self.elastic.apply_s.items():
             host_phases.setdefault(host, {})["apply"] = seconds
@@ -320,25 +203,47 @@ class Orchestrator:
             sorted(h for h, o in outcomes.items() if o.ending is Ending.LOST), self.membership.active(),
             clock.to_json(), host_phases,
         )  # fmt: skip
+        self.finish_round(summary)
+        if self.state is not None:
+            self.state.clear_inflight()
+        return summary
+
+    def round_started(self, round_num: int, task_ids: dict[str, str]) -> None:
+        if self._on_round_start is not None:
+            self._on_round_start(round_num, task_ids)
+
+    def finish_round(self, summary: RoundSummary) -> None:
+        """A round's summary into the history, and the checkpoint's state after it (its model is
+        in already, or unchanged)."""
         self.history.append(summary)
-        if self.state is not None:  # the model is in already (or unchanged): the rest of the state
+        if self.state is not None:
             self.state.update(
-                round_done=round_num,
+                round_done=summary.round_num,
                 members=self.membership.to_json(),
                 history=[s.to_json() for s in self.history],
             )
-            self.state.clear_inflight()
-        logger.info("round %d: mean loss %s, excluded %s", round_num, summary.mean_loss, excluded)
-        return summary
+        logger.info(
+            "round %d: mean loss %s, excluded %s", summary.round_num, summary.mean_loss, summary.excluded
+        )
+        if self._on_summary is not None:
+            self._on_summary(summary)
 
-    def _delta_name(self, round_num: int, host: str) -> str:
+    def delta_name(self, round_num: int, host: str) -> str:
         return f"deltas/round-{round_num}/{self._run_id}/{host}.safetensors.zst"
 
-    def _collect(
+    def collect(
         self, round_num: int, pending: Mapping[str, Any], clock: PhaseClock
     ) -> tuple[dict[str, Outcome], dict[str, torch.Tensor], dict[str, str]]:
         """Wait for the round (deadlines, heartbeats), folding each delta as it is reported;
         returns the outcomes, the mean of the good deltas, and why the others were refused."""
+        outcomes, folder = self.wait_folding(round_num, pending, clock)
+        return outcomes, *self.folded(folder, clock)
+
+    def wait_folding(
+        self, round_num: int, pending: Mapping[str, Any], clock: PhaseClock
+    ) -> tuple[dict[str, Outcome], DeltaFolder]:
+        """The round's outcomes, each completed delta handed to the folder as it is reported
+        (:meth:`folded` waits for the folding to end and closes the folder)."""
         folder = DeltaFolder(
             self.store, os.path.join(self._scratch, f"round-{round_num}"), self.global_state,
             parallel=self.fetch_parallel, in_memory=self.deltas_in_memory,
@@ -347,22 +252,30 @@ class Orchestrator:
         def fold(outcome: Outcome) -> None:
             if outcome.completed and outcome.result is not None:
                 folder.submit(
-                    outcome.host, self._delta_name(round_num, outcome.host), outcome.result["delta"]["hash"]
+                    outcome.host, self.delta_name(round_num, outcome.host), outcome.result["delta"]["hash"]
                 )
 
         session = self.session
         try:
             deadline = Deadline(session.round_deadline_s, session.quorum, session.grace_s)
             with clock.phase("wait"):
-                outcomes = self.waiter.wait(pending, deadline, on_outcome=fold)
+                return self.waiter.wait(pending, deadline, on_outcome=fold), folder
+        except BaseException:
+            folder.close()
+            raise
+
+    def folded(
+        self, folder: DeltaFolder, clock: PhaseClock
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The mean of the good deltas, and why the others were refused."""
+        try:
             with clock.phase("fold"):  # what folding adds after the last result is in
                 errors = {host: f.error for host, f in folder.results().items() if f.error}
-                mean = folder.mean.mean() if folder.mean.count else {}
+                return (folder.mean.mean() if folder.mean.count else {}), errors
         finally:
             folder.close()
-        return outcomes, mean, errors
 
-    def _note_outcome(self, round_num: int, outcome: Outcome, why: str | None) -> None:
+    def note_outcome(self, round_num: int, outcome: Outcome, why: str | None) -> None:
         host = outcome.host
         if outcome.ending is Ending.LOST:
             self.membership.set(
@@ -376,13 +289,24 @@ class Orchestrator:
 
     # ------------------------------------------------------------ the sync
 
-    def _sync(
+    def sync_now(
         self, round_num: int, new_state: dict[str, torch.Tensor] | None, clock: PhaseClock
     ) -> dict[str, str]:
         """Publish the new global model and bring every active host to it."""
-        self.round_done = round_num
-        if new_state is None:  # nothing to average: the model, and what every host holds, stay
+        published = self.publish_sync(round_num, new_state, clock)
+        if published is None:  # nothing to average: the model, and what every host holds, stay
             return {}
+        with clock.phase("apply"):
+            return self.elastic.sync_all(round_num, *published)
+
+    def publish_sync(
+        self, round_num: int, new_state: dict[str, torch.Tensor] | None, clock: PhaseClock
+    ) -> tuple[str, str] | None:
+        """Round ``round_num``'s new global model, made current, checkpointed and published with
+        the sync delta to it; the delta's URL and base hash (None: the model did not change)."""
+        self.round_done = round_num
+        if new_state is None:
+            return None
         delta_name = f"sync/round-{round_num}-{self._run_id}.safetensors.zst"
         delta_file = os.path.join(self._scratch, "sync.zst")
         with clock.phase("sync_build"):
@@ -394,8 +318,7 @@ class Orchestrator:
             self.global_state, self.global_hash = sync.result, sync.result_hash
             # Checkpointed before any host is told: a crash from here on resumes with this model.
             self._model_name = self._publish_global(self._checkpoint() or self._model_file(sync.result))
-        with clock.phase("apply"):
-            return self.elastic.sync_all(round_num, self.store.url_get(delta_name), sync.base_hash)
+        return self.store.url_get(delta_name), sync.base_hash
 
     def _model_file(self, state: Mapping[str, torch.Tensor]) -> str:
         path = os.path.join(self._scratch, "global.safetensors")
@@ -455,12 +378,6 @@ class Orchestrator:
 
     def close(self) -> None:
         remove_tree(self._scratch, ignore_errors=True)
-
-
-def _loss(outcome: Outcome) -> float | None:
-    report = (outcome.result or {}).get("report") or {}
-    loss = report.get("final_loss", report.get("loss"))
-    return float(loss) if isinstance(loss, (int, float)) else None
 
 
 def pick_hosts(client: RoundClient, count: int, *, wait_s: float = 60.0) -> list[str]:

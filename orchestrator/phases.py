@@ -56,9 +56,18 @@ def worker_phases(result: Mapping[str, Any] | None) -> dict[str, float]:
         return {}
     delta = result.get("delta")
     delta = delta if isinstance(delta, Mapping) else {}
+    # An overlapped round's end (orchestrator.overlap): the wait for its sync (idle), the working
+    # copy's rebuild (idle), and the sync's apply, which ran beside the round.
+    overlap = result.get("overlap")
+    overlap = overlap if isinstance(overlap, Mapping) else {}
+    sync = overlap.get("sync")
+    sync = sync if isinstance(sync, Mapping) else {}
     said = [
         ("training", result.get("training_time")),
         ("delta_write", delta.get("write_s")),
         ("upload", delta.get("upload_s")),
+        ("sync_wait", overlap.get("sync_wait_s")),
+        ("rebase", overlap.get("rebase_s")),
+        ("apply", sync.get("seconds")),
     ]
     return {name: value for name, raw in said if (value := seconds(raw)) is not None}

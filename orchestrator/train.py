@@ -64,6 +64,9 @@ def parser(prog: str = "roundhouse train") -> argparse.ArgumentParser:
     how.add_argument("--outer-lr", type=float, default=0.7)
     how.add_argument("--outer-momentum", type=float, default=0.9)
     how.add_argument("--no-nesterov", action="store_true", help="plain momentum instead of Nesterov")
+    how.add_argument(
+        "--overlap", action="store_true", help="the next round trains while the last syncs (docs/OVERLAP.md)"
+    )
     ends = p.add_argument_group("when a round ends (docs/OPERATIONS.md)")
     ends.add_argument("--round-deadline-s", type=float, default=600.0)
     ends.add_argument(
@@ -201,7 +204,7 @@ def _session(
         batch_size=args.batch_size, tenant=args.tenant, delta_dtype=args.delta_dtype,
         round_deadline_s=args.round_deadline_s, quorum=args.quorum, grace_s=args.grace_s,
         min_hosts=args.min_hosts, max_hosts=args.max_hosts or want, allowed_hosts=names,
-        join_wait_s=args.join_wait_s, sync_timeout_s=args.sync_timeout_s,
+        join_wait_s=args.join_wait_s, sync_timeout_s=args.sync_timeout_s, overlap=args.overlap,
     )  # fmt: skip
 
 
@@ -222,6 +225,7 @@ def train(
         hooks: dict[str, Any] = {
             "on_event": lambda e: live.print(event_line(e)) if e["event"] != "joining" else None,
             "on_round_start": lambda n, ids: live.new_round(n, ids),
+            "on_summary": lambda summary: live.print(round_line(summary)),
         }
         if state is not None and (state / "state.json").is_file():
             orchestrator = Orchestrator.resume(client, store, state, **hooks)
@@ -234,8 +238,7 @@ def train(
             live.print(f"hosts: {', '.join(session.hosts)}")
             orchestrator.load()
         stack.callback(orchestrator.close)
-        for round_num in range(orchestrator.next_round, args.rounds):
-            live.print(round_line(orchestrator.round(round_num, args.rounds)))
+        orchestrator.run(args.rounds)  # each round's line printed as its summary is written
         held = {}
         for host in orchestrator.membership.active():
             try:

@@ -11,6 +11,7 @@ it publishes refusals):
   its replay guard, the Redis ACL users of a deployment
 - ``events``: the event publisher; ``metrics``: the child's Prometheus metrics
 - ``control``: the stop paths (revoke forwarding, SIGUSR2, stop through Redis)
+- ``overlap``: an overlapped round's sync order, through Redis (``send_sync``, ``SyncInbox``)
 - ``runtime``: the prefork child's Executor, settings, events, stops and heartbeat
 - ``rounds``: the tasks of DESIGN §3
 - ``embedded_redis``: the Procfile's and demo's Redis

@@ -34,6 +34,7 @@ from tasks.names import (
     queue_name,
     stream_name,
 )
+from tasks.overlap import SyncOrder, send_sync
 from tasks.trust.signed_app import SignedCelery
 from tasks.trust.signing import NO_KEY, SigningError
 
@@ -149,24 +150,32 @@ class RoundClient:
         step_offset: int = 0,
         delta_url: str | None = None,
         delta_dtype: str = "float16",
+        overlap: dict[str, Any] | None = None,
     ) -> AsyncResult:
         """One round on ``host``; its trained delta is PUT to ``delta_url`` as ``delta_dtype``:
         ``"float16"``, ``"bfloat16"``, ``"float32"``, or quantised ``"int8"`` / ``"int4"``
         (blockwise absmax, with error feedback kept on the worker; ``read_delta`` returns
-        float32 either way)."""
-        return self._send(
-            host,
-            RUN_ROUND,
-            {
-                "steps": steps,
-                "round_num": round_num,
-                "total_rounds": total_rounds,
-                "mode": mode,
-                "step_offset": step_offset,
-                "delta_url": delta_url,
-                "delta_dtype": delta_dtype,
-            },
-        )
+        float32 either way). ``overlap`` (``{"base_hash", "sync_id", "sync_wait_s"}``): a round
+        of an overlapped session, which awaits the sync :meth:`send_sync` names ``sync_id``."""
+        kwargs: dict[str, Any] = {
+            "steps": steps,
+            "round_num": round_num,
+            "total_rounds": total_rounds,
+            "mode": mode,
+            "step_offset": step_offset,
+            "delta_url": delta_url,
+            "delta_dtype": delta_dtype,
+        }
+        if overlap is not None:  # absent otherwise: a worker of an older release takes the call
+            kwargs["overlap"] = overlap
+        return self._send(host, RUN_ROUND, kwargs)
+
+    def send_sync(self, host: str, order: SyncOrder) -> None:
+        """The sync an overlapped round on ``host`` awaits (signed on the signed control plane)."""
+        security = getattr(self.app, "roundhouse_security", None)
+        if security is not None and security.signer is None:
+            raise SigningError(NO_KEY)
+        send_sync(self.redis, host, order, security.signer if security is not None else None)
 
     def apply_delta(
         self,

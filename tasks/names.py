@@ -112,3 +112,8 @@ def nonce_key(host_id: str, nonce: str) -> str:
 
 def control_channel(host_id: str) -> str:
     return f"roundhouse:control:{host_id}"
+
+
+def sync_key(host_id: str, sync_id: str) -> str:
+    """The sync an overlapped round of ``host_id`` awaits, named by the round's ``sync_id``."""
+    return f"roundhouse:sync:{host_id}:{sync_id}"

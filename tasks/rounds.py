@@ -21,6 +21,7 @@ from executor.fileio import atomic_write_json
 from executor.workdir import SessionDir
 from settings import Settings
 from tasks.names import APPLY_DELTA, LOAD_MODEL, RESET, RUN_ROUND, STATUS
+from tasks.overlap import SyncInbox
 from tasks.runtime import runtime
 
 
@@ -99,6 +100,7 @@ def run_round(
     step_offset: int = 0,
     delta_url: str | None = None,
     delta_dtype: str = "float16",
+    overlap: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     rt = runtime()
     task_id = self.request.id
@@ -107,14 +109,44 @@ def run_round(
             return done  # redelivered after it finished: the round is not run twice
         # One request, checked before the round trains (a refused delta URL writes nothing).
         request = rt.executor.round_request(
-            steps, round_num, total_rounds, mode, step_offset, delta_url=delta_url, delta_dtype=delta_dtype
-        )
+            steps, round_num, total_rounds, mode, step_offset, delta_url=delta_url, delta_dtype=delta_dtype,
+            overlap=overlap,
+        )  # fmt: skip
         started = time.monotonic()
         rt.executor.start(request)
-        rt.wait_round(current)
-        result = rt.executor.finish_round().to_json()
+        spec = request.overlap
+        inbox = rt.sync_inbox(spec.sync_id, current) if spec is not None and spec.sync_id else None
+        try:
+            rt.wait_round(current)
+            result = rt.executor.finish_round().to_json()
+            if spec is not None:
+                result["overlap"] = _rebase(rt, spec.sync_wait_s, inbox, result["status"] == "completed")
+        finally:
+            if inbox is not None:
+                inbox.close()
         rt.metrics.round_done(result["status"], time.monotonic() - started)
         return _remember(task_id, result)
+
+
+def _rebase(rt: Any, sync_wait_s: float, inbox: SyncInbox | None, completed: bool) -> dict[str, Any]:
+    """An overlapped round's end: wait for its sync (idle time, reported), then the working copy
+    the next round starts from. A round that did not complete waits for nothing: its host is
+    re-synced by the orchestrator."""
+    waiting = time.monotonic()
+    synced = inbox is None or (completed and inbox.wait(sync_wait_s))
+    waited = time.monotonic() - waiting
+    rebasing = time.monotonic()
+    rebased = rt.executor.overlapped.rebase(completed and synced)
+    out: dict[str, Any] = {
+        "global_hash": rt.executor.session.model_hash if rt.executor.session else None,
+        "rebased": rebased,
+        "sync_wait_s": round(waited, 6),
+        "rebase_s": round(time.monotonic() - rebasing, 6),
+        "sync": inbox.outcome if inbox is not None else None,
+    }
+    if inbox is not None and completed and not synced:
+        out["sync_error"] = inbox.error or f"no sync order within {sync_wait_s:g} s"
+    return out
 
 
 def apply_delta(

@@ -31,7 +31,8 @@ from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
 from tasks.metrics import WorkerMetrics
 from tasks.names import heartbeat_key
-from tasks.trust.signing import Refused, load_security, open_stop_token
+from tasks.overlap import SyncInbox, SyncOrder
+from tasks.trust.signing import Refused, Verifier, load_security, open_stop_token, open_sync_token
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class ChildRuntime:
         self._redis = redis.Redis.from_url(
             settings.redis_events_url, socket_timeout=2, socket_connect_timeout=2
         )
+        self._sync_verification = sync_verification(settings, self.emit)
         self.metrics = WorkerMetrics(settings.host_id, self.status)
         token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
         self.metrics.serve(settings.metrics_port, settings.metrics_address, token)
@@ -187,6 +189,26 @@ class ChildRuntime:
             except SoftTimeLimitExceeded:
                 self.request_stop("soft time limit")
 
+    def sync_inbox(self, sync_id: str, current: Current) -> SyncInbox:
+        """An overlapped round's inbox for the sync named ``sync_id`` (tasks.overlap), which
+        applies it to the global copy beside the round."""
+        from executor.session import SyncRequest  # the child's: torch is imported there already
+
+        def apply(order: SyncOrder) -> dict[str, Any]:
+            request = SyncRequest.parse(
+                order.model_url,
+                delta_url=order.delta_url,
+                base_hash=order.base_hash,
+                result_hash=order.result_hash,
+            )
+            outcome = self.executor.overlapped.sync_beside(request)
+            self.emit("state", {"event": "synced-beside", "round": order.round_num, "via": outcome.via.value})
+            return outcome.to_json()
+
+        return SyncInbox(
+            self._redis, self.host_id, sync_id, apply, stop=current.stop, **self._sync_verification
+        )
+
     # ------------------------------------------------------------ heartbeat and status
 
     def status(self) -> dict[str, Any]:
@@ -228,17 +250,33 @@ class ChildRuntime:
 
 def stop_verification(settings: Settings, emit: Callable[[str, dict[str, Any]], None]) -> dict[str, Any]:
     """On the signed control plane, a Redis stop request counts only when it verifies."""
+    return _verification(settings, emit, "stop", open_stop_token)
+
+
+def sync_verification(settings: Settings, emit: Callable[[str, dict[str, Any]], None]) -> dict[str, Any]:
+    """On the signed control plane, an overlapped round's sync order counts only when it verifies."""
+    return _verification(settings, emit, "sync", open_sync_token)
+
+
+def _verification(
+    settings: Settings,
+    emit: Callable[[str, dict[str, Any]], None],
+    kind: str,
+    opener: Callable[[Verifier, bytes, str], Any],
+) -> dict[str, Any]:
+    """``verify`` (a token to what it carries, or :class:`Refused`) and ``on_refused`` (the
+    refusal as a ``refused`` state event) for Redis messages of ``kind``; {} when unsigned."""
     security = load_security(settings)
     if security is None or security.verifier is None:
         return {}
     verifier = security.verifier
     verifier.register()  # this process decodes what its parent did not hand it decoded
 
-    def verify(token: bytes) -> str:
-        return open_stop_token(verifier, token, settings.host_id)
+    def verify(token: bytes) -> Any:
+        return opener(verifier, token, settings.host_id)
 
     def on_refused(refusal: Refused) -> None:
-        detail = {"kind": "stop", "reason": refusal.reason, "detail": refusal.detail}
+        detail = {"kind": kind, "reason": refusal.reason, "detail": refusal.detail}
         emit("state", {"event": "refused", **detail})
 
     return {"verify": verify, "on_refused": on_refused}

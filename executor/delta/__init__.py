@@ -44,9 +44,11 @@ from executor.delta._schemes import (
 )
 from executor.delta._sync import (
     SyncDelta,
+    apply_rule,
     apply_sync_delta_state,
     file_state_hash,
     make_sync_delta,
+    result_dtype,
     state_hash,
 )
 from executor.delta._wire import DEFAULT_MAX_DELTA_BYTES, read_delta, write_delta, write_result_delta
@@ -63,6 +65,7 @@ __all__ = [
     "StreamStateHash",
     "SyncDelta",
     "SyncFeedback",
+    "apply_rule",
     "apply_sync_delta",
     "apply_sync_delta_state",
     "check_scheme",
@@ -76,6 +79,7 @@ __all__ = [
     "new_hasher",
     "quantize",
     "read_delta",
+    "result_dtype",
     "scheme_of",
     "state_hash",
     "write_delta",

@@ -90,7 +90,7 @@ class InThreadRunner:
 
     def _namespace(self, session: RoundSession, spec: RoundSpec, outputs: RoundOutputs) -> dict[str, Any]:
         view = SessionView(
-            model_path=session.model_path,
+            model_path=session.start_path,
             bundle_root=session.bundle_root,
             preprocessor_config=session.preprocessor_config,
             params=session.params,

@@ -204,7 +204,8 @@ class SandboxedRunner:
         if session is None:
             raise InvalidRequest("no model is loaded: send load_model first")
         supervisor = self._ensure(stop)
-        size = os.path.getsize(session.model_path)
+        start = session.start_path  # the working copy of an overlapped session, else the model
+        size = os.path.getsize(start)
         request = RoundRequest(
             round_id=uuid.uuid4().hex[:16],
             spec=spec,
@@ -214,10 +215,10 @@ class SandboxedRunner:
             preprocessor_config=dict(session.preprocessor_config),
             max_script_bytes=self._max_script_bytes,
             max_file_bytes=self._file_limit(size),
-            model_path=self.paths.inside(session.model_path),
+            model_path=self.paths.inside(start),
             bundle_root=self.paths.inside(session.bundle_root) if session.bundle_root else None,
         )
-        header_limit = result_header_limit(session.model_path)
+        header_limit = result_header_limit(start)
         return supervisor.run_round(request, stop, result_limit(size), header_limit)
 
     def _serve_shard(self, index: int) -> str:

@@ -3,6 +3,8 @@
 The facade (:class:`executor.core.Executor`) parses each request once into a typed value
 and hands it to the :class:`SessionKeeper`, which owns the rest:
 
+- ``_overlap``: an overlapped session's two copies, the global model and the working copy
+  its rounds start from (``WorkingCopy``), and ``run_round``'s ``OverlapSpec``;
 - ``_requests``: ``LoadRequest``, ``RoundRequest``, ``SyncRequest``, each checked once where
   it enters; ``QuantConfig`` (how a quantised delta is cut);
 - ``_model``: the model file in the work dir (``ModelFiles``): fetched, hashed as it lands,
@@ -19,6 +21,7 @@ Inside the package each module imports only those above it in this list.
 from executor.session._keeper import SessionConfig, SessionKeeper
 from executor.session._manifest import Manifest, drop_manifest, read_manifest
 from executor.session._model import InstalledModel, ModelFiles, ModelLimits, model_fingerprint
+from executor.session._overlap import NotInSync, OverlapSpec
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._state import Session
 
@@ -28,6 +31,8 @@ __all__ = [
     "Manifest",
     "ModelFiles",
     "ModelLimits",
+    "NotInSync",
+    "OverlapSpec",
     "QuantConfig",
     "RoundRequest",
     "Session",

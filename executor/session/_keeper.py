@@ -12,19 +12,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 
 from executor import placement, transfer
-from executor.errors import ErrorInfo, InvalidRequest, RoundhouseError
-from executor.fileio import empty_dir
+from executor.errors import ErrorInfo, InvalidRequest, RoundhouseError, map_exceptions
+from executor.fileio import empty_dir, remove_quietly
 from executor.results import ApplyOutcome, DeltaInfo, LoadResult, RoundResult
 from executor.rounds import RoundOutcome, RoundRunner, round_result
 from executor.session._loading import LoadPipeline
 from executor.session._manifest import read_manifest, write_manifest
 from executor.session._model import ModelFiles, ModelLimits
+from executor.session._overlap import NotInSync, WorkingCopy
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._shipping import ship_delta
 from executor.session._state import Session
@@ -72,6 +73,8 @@ class SessionKeeper:
         self._stop = stop
         self._progress = progress
         self.current: Session | None = None
+        self.working = WorkingCopy(models.model_dir)
+        self._kept_delta: str | None = None  # an overlapped round's delta, until its rebase
 
     def require(self) -> Session:
         if self.current is None:
@@ -90,6 +93,7 @@ class SessionKeeper:
         started = time.monotonic()
         if not self._private_cache:
             self._cache.check_fits(request.descriptors)
+        self.end_overlap()  # a new model: no earlier round's progress rides on it
         pipeline = LoadPipeline(
             self.models,
             self._runner,
@@ -132,6 +136,7 @@ class SessionKeeper:
     def rehydrate(self) -> Session | None:
         """The session a previous process left in this work dir (its manifest and model file),
         opened cold; None, leaving nothing changed, when there is nothing usable."""
+        self.working.drop()  # a dead process's working copy: its base is not known to be current
         manifest = read_manifest(self.work_dir)
         if manifest is None:
             return None
@@ -170,21 +175,27 @@ class SessionKeeper:
 
     def ship(self, trained: Mapping[str, torch.Tensor] | None, request: RoundRequest) -> DeltaInfo:
         """The round's delta written (and uploaded when the request names a URL)."""
-        return ship_delta(
-            self.require().model_path,
+        info = ship_delta(
+            self.require().start_path,
             trained,
             request,
             work_dir=self.work_dir,
             transfer_config=self._transfer,
             abort=self._stop,
             error_feedback=self.config.quant.error_feedback,
+            keep=request.overlap is not None,
         )
+        if request.overlap is None:
+            return info
+        self._kept_delta = info.path
+        return replace(info, path=None)  # the work dir's own copy, for the rebase: not reported
 
     def sync(self, request: SyncRequest) -> ApplyOutcome:
         """Apply the orchestrator's sync delta in place, else download the full model: a sync
         never fails *because of* the delta path. Only an explicit stop aborts instead."""
         started = time.monotonic()
         placement.empty_device_cache()
+        self.end_overlap()  # the model is the global one now: no round's own progress rides on it
         session = self.current
         synced = self.models.sync(
             session.model if session else None,
@@ -199,6 +210,67 @@ class SessionKeeper:
         return ApplyOutcome(
             synced.via, synced.model.model_hash, time.monotonic() - started, synced.reason, synced.noop
         )
+
+    # ------------------------------------------------------------ overlapped rounds
+
+    def begin_round(self, request: RoundRequest) -> None:
+        """Before a round starts: which file it starts from. An overlapped round starts from W
+        when W is built on the global model it names; a sequential round ends overlap."""
+        session = self.require()
+        spec = request.overlap
+        if spec is None:
+            self.end_overlap()
+            return
+        if session.model_hash != spec.base_hash or not session.model.file_unchanged():
+            raise NotInSync(
+                "this host does not hold the global model the overlapped round starts on",
+                {"expected": spec.base_hash, "held": session.model_hash},
+            )
+        self._drop_kept_delta()
+        session.working = self.working.path if self.working.usable(session.model_hash) else None
+
+    def sync_beside(self, request: SyncRequest) -> ApplyOutcome:
+        """An overlapped round's sync, applied to G while the round trains from W (on the
+        inbox's thread; W, the round's file, is not touched)."""
+        started = time.monotonic()
+        session = self.require()
+        synced = self.models.sync(
+            session.model, request.model_url, request.delta_url, request.base_hash, request.result_hash
+        )
+        session.model = synced.model
+        write_manifest(session, self.work_dir)
+        return ApplyOutcome(
+            synced.via, synced.model.model_hash, time.monotonic() - started, synced.reason, synced.noop
+        )
+
+    def rebase(self, completed: bool) -> bool:
+        """After an overlapped round: W = G + the delta it shipped (``completed``: it did, and
+        G is the global model the next round names); else W is dropped. True when rebased."""
+        session, delta = self.current, self._kept_delta
+        self._kept_delta = None
+        try:
+            if session is None or not completed or delta is None:
+                self.working.drop()
+                return False
+            with map_exceptions({}, where="the work dir (working copy)"):
+                self.working.rebase(session.model_path, session.model_hash, delta)
+            return True
+        finally:
+            if session is not None:
+                session.working = None
+            if delta is not None:
+                remove_quietly(delta)
+
+    def end_overlap(self) -> None:
+        self._drop_kept_delta()
+        self.working.drop()
+        if self.current is not None:
+            self.current.working = None
+
+    def _drop_kept_delta(self) -> None:
+        if self._kept_delta is not None:
+            remove_quietly(self._kept_delta)
+            self._kept_delta = None
 
     # ------------------------------------------------------------ the end
 
@@ -224,6 +296,7 @@ class SessionKeeper:
     def close(self) -> None:
         """The session ends: its runner (the spare too: its directories are in the work dir)
         and its dataset (prefetch joined, pins released)."""
+        self.end_overlap()
         session, self.current = self.current, None
         self._runner.close(spare=True)
         if session is not None:

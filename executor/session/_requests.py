@@ -18,6 +18,7 @@ import torch
 from executor.delta import DEFAULT_SCHEME, DeltaFormat, QuantScheme, check_scheme
 from executor.errors import InvalidRequest
 from executor.rounds import RoundSpec, validate_script
+from executor.session._overlap import OverlapSpec
 from executor.shards import ShardDescriptor, check_tenant
 from executor.urls import Url
 
@@ -135,6 +136,7 @@ class RoundRequest:
     spec: RoundSpec
     delta_url: Url | None = None
     delta_format: DeltaFormat = torch.float16
+    overlap: OverlapSpec | None = None  # an overlapped session's round (executor.session._overlap)
 
     @classmethod
     def parse(
@@ -149,6 +151,7 @@ class RoundRequest:
         delta_dtype: object = "float16",
         quant: QuantConfig,
         policy: UrlCheck | None = None,
+        overlap: object = None,
     ) -> RoundRequest:
         """A negative ``step_offset`` counts as 0 (the seed's). ``policy`` refuses a delta URL
         the URL policy would refuse at the upload, before the round trains (nothing is written)."""
@@ -162,7 +165,10 @@ class RoundRequest:
             max(0, check_int("step_offset", step_offset, -(2**62))),
             str(mode),
         )
-        return cls(spec, None, delta_format).shipping_to(delta_url, delta_format, policy)
+        request = cls(spec, None, delta_format, OverlapSpec.parse(overlap))
+        if request.overlap is not None and not spec.training:
+            raise InvalidRequest("only a training round can be overlapped")
+        return request.shipping_to(delta_url, delta_format, policy)
 
     def shipping_to(
         self, delta_url: object, delta_format: DeltaFormat, policy: UrlCheck | None = None

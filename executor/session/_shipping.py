@@ -35,8 +35,11 @@ def ship_delta(
     transfer_config: transfer.TransferConfig,
     abort: threading.Event,
     error_feedback: bool = True,
+    keep: bool = False,
 ) -> DeltaInfo:
-    """Write the trained delta (a zero delta when nothing was saved) and upload it."""
+    """Write the trained delta (a zero delta when nothing was saved) and upload it; ``keep``:
+    the file stays in the work dir after its upload too (its ``path`` returned), for an
+    overlapped session's rebase."""
     dirs = SessionDir(work_dir)
     os.makedirs(dirs.deltas, exist_ok=True)
     path = dirs.round_delta(request.spec.round_num)
@@ -57,9 +60,14 @@ def ship_delta(
         uploading = time.monotonic()
         try:
             transfer.upload(path, delta_url, config=transfer_config, abort=abort)
-        finally:
+        except BaseException:
+            os.unlink(path)
+            raise
+        if not keep:
             os.unlink(path)
         info = replace(info, url=str(delta_url), upload_s=time.monotonic() - uploading)  # str: redacted
+        if keep:
+            info = replace(info, path=path)
         if residual is not None:
             with map_exceptions({}, where="the work dir (error feedback)"):
                 residual.commit()

@@ -27,6 +27,9 @@ class Session:
     params: dict[str, Any]
     batch_size: int
     dataset: ShardSession
+    # Where this round's tenant code loads the model from: W in an overlapped session whose
+    # working copy is current, else the installed model (executor.session._overlap).
+    working: str | None = None
 
     @classmethod
     def of(cls, request: LoadRequest, model: InstalledModel, dataset: ShardSession) -> Session:
@@ -44,6 +47,10 @@ class Session:
     @property
     def model_path(self) -> str:
         return self.model.path
+
+    @property
+    def start_path(self) -> str:
+        return self.working or self.model.path
 
     @property
     def bundle_root(self) -> str | None:

@@ -418,3 +418,28 @@ def open_stop_token(verifier: Verifier, token: bytes | str, host_id: str) -> str
         raise Refused("wrong_host", f"a stop for {body.get('host')!r}")
     check_times(float(body["iat"]), float(body["exp"]), max_age_s=STOP_TOKEN_AGE_S)
     return str(body["stop"])
+
+
+SYNC_TOKEN_AGE_S = 6 * 3600.0  # a sync is sent while the round that awaits it runs
+
+
+def sync_token(signer: Signer, host_id: str, order: dict[str, Any], now: float | None = None) -> str:
+    """A signed sync order for an overlapped round (``tasks.overlap.SyncOrder``'s JSON)."""
+    now = time.time() if now is None else now
+    return signer.sign(
+        {"v": ENVELOPE_VERSION, "sync": order, "host": host_id, "iat": now, "exp": now + SYNC_TOKEN_AGE_S}
+    )
+
+
+def open_sync_token(verifier: Verifier, token: bytes | str, host_id: str) -> Any:
+    """The sync order a signed token carries; :class:`Refused` unless it is for this host."""
+    body = verifier.open(token)
+    if not isinstance(body, dict) or body.get("v") != ENVELOPE_VERSION or "sync" not in body:
+        raise Refused("malformed", "not a sync order")
+    if body.get("host") != host_id:
+        raise Refused("wrong_host", f"a sync for {body.get('host')!r}")
+    try:
+        check_times(float(body["iat"]), float(body["exp"]), max_age_s=SYNC_TOKEN_AGE_S)
+    except (KeyError, TypeError, ValueError):
+        raise Refused("malformed", "a sync order without valid times") from None
+    return body["sync"]

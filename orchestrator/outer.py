@@ -1,0 +1,67 @@
+"""The outer step of DiLoCo: the next global model from the current one and the hosts' mean delta.
+
+Each worker trains from the same global model θ and returns ``Δ_i = θ_i − θ`` (its trained
+delta). The outer gradient is ``g = −mean(Δ_i)``; with momentum ``μ`` and learning rate ``η``:
+``v ← μ v + g`` and ``θ ← θ − η (g + μ v)`` (Nesterov) or ``θ − η v`` (plain). ``η = 1, μ = 0``
+is plain averaging of the workers' models. Only floating tensors move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def mean_delta(deltas: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The elementwise mean (fp32) of deltas held at once; a key a delta lacks counts as zero.
+    (The orchestrator folds them as they arrive instead: :class:`orchestrator.aggregate.RunningMean`.)"""
+    if not deltas:
+        raise ValueError("no deltas to average")
+    keys = sorted(set().union(*deltas))
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        total: torch.Tensor | None = None
+        for delta in deltas:
+            if key in delta:
+                value = delta[key].to(torch.float32)
+                total = value.clone() if total is None else total.add_(value)
+        assert total is not None
+        out[key] = total.div_(len(deltas))
+    return out
+
+
+@dataclass
+class OuterOptimizer:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    velocity: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def step(
+        self, params: Mapping[str, torch.Tensor], avg_delta: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The next global state from the current one and the averaged delta."""
+        new: dict[str, torch.Tensor] = {}
+        for key, value in params.items():
+            if key not in avg_delta or not value.dtype.is_floating_point:
+                new[key] = value
+                continue
+            # g = -avg; v = mu v + g; nesterov: theta - lr (g + mu v), else theta - lr v. In
+            # place where it can be (one pass less over the model per term: bench.goodput "outer").
+            avg = avg_delta[key].to(torch.float32)
+            velocity = self.velocity.get(key)
+            velocity = -avg if velocity is None else velocity.mul_(self.momentum).sub_(avg)
+            self.velocity[key] = velocity
+            if self.nesterov:
+                stepped = torch.add(value.to(torch.float32), avg, alpha=self.lr)
+                stepped.add_(velocity, alpha=-self.lr * self.momentum)
+            else:
+                stepped = torch.add(value.to(torch.float32), velocity, alpha=-self.lr)
+            new[key] = stepped.to(value.dtype)
+        return new
+
+    def settings(self) -> dict[str, Any]:
+        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
