@@ -37,7 +37,7 @@ fi
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 # Each stage has its own bound, so that all of them fit in one 10-minute call of the device tool.
 # GPU_CHECK_STAGES picks some (a rerun within what is left of a session's device time).
-STAGES=" ${GPU_CHECK_STAGES:-tests bench bench_off first_step hashes} "
+STAGES=" ${GPU_CHECK_STAGES:-tests bench bench_off first_step hashes overlap} "
 tests=0 bench=0
 if [[ $STAGES == *" tests "* ]]; then
   timeout 270 $PY -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee var/gpu/pytest.log
@@ -58,6 +58,16 @@ if [[ $STAGES == *" first_step "* ]]; then
 fi
 if [[ $STAGES == *" hashes "* ]]; then
   timeout 40 $PY -m bench.hashes --mb 2048 2>&1 | tee -a var/gpu/bench.log
+fi
+# Issue 28: overlapped rounds against sequential ones, side by side on this machine (the demo's
+# cluster: real workers, sandboxed; docs/OVERLAP.md): each run's wall time and final loss.
+if [[ $STAGES == *" overlap "* ]]; then
+  for mode in "" "--overlap"; do
+    started=$(date +%s.%N)
+    timeout 60 $PY -m orchestrator.cli demo --rounds 6 --steps 25 $mode --out var/gpu/demo$mode 2>&1 \
+      | grep -E "^round|loss fell" | tee -a var/gpu/bench.log
+    echo "demo ${mode:-sequential}: $(echo "$(date +%s.%N) - $started" | bc) s" | tee -a var/gpu/bench.log
+  done
 fi
 $PY -m bench.gpu --table | tee var/gpu/table.txt
 if [ -n "${OUT:-}" ]; then cp var/gpu/*.log var/gpu/table.txt var/gpu/results.jsonl "$OUT"/ 2>/dev/null; fi

@@ -147,7 +147,11 @@ def kill_holding_a_frozen_spare(
         time.sleep(1)
         if not held & sandbox_pids(uid):
             # Died: by --die-with-parent (its groups stay: v1 did not hold it, the premise is
-            # wrong) or by another worker's reclaim (which removes the groups too).
+            # wrong) or by another worker's reclaim, which removes the groups once the processes
+            # are gone (given a few seconds: it may be between the two).
+            deadline = time.monotonic() + 10
+            while any(group.exists() for group in groups) and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert not any(group.exists() for group in groups), (
                 "the frozen sandbox did not outlive its worker"
             )
