@@ -26,8 +26,9 @@ Modes (``--modes``, side by side on the same cluster): ``sequential`` (run → u
 outer step → sync → apply → next round) and ``overlapped`` (docs/OVERLAP.md: the next round is
 dispatched once the last one's results are in; the outer step, sync build, publish and the sync's
 apply run while it trains). An overlapped round's wall time is from its dispatch to the next
-one's; its bars are the hosts' own idle time at the round's end (delta write, upload, the wait
-for the sync, the working copy's rebase) and "other" (hand-offs); the orchestrator's phases ran
+one's; its bars are the hosts' own idle time at the round's end (delta write, the wait for the
+sync, the working copy's rebase; the delta's PUT runs beside the next round, so "upload" is only
+a wait for the last one's) and "other" (hand-offs); the orchestrator's phases ran
 beside the round, so they are not stacked (they are in the JSON). Its steady rounds leave out
 the last one too: it ends with the sequential sync that brings every host to the final model.
 
@@ -197,7 +198,8 @@ def round_phases(summary: RoundSummary, compute_s: float) -> dict[str, float]:
         "compute": min(compute_s, training),
         "tenant save": max(0.0, training - compute_s),
         "delta write": max((h.get("delta_write", 0.0) for h in hosts), default=0.0),
-        "upload": max((h.get("upload", 0.0) for h in hosts), default=0.0),
+        # Overlapped: the PUT runs beside the next round; what is idle is waiting for the last one.
+        "upload": max((h.get("upload", 0.0) + h.get("upload_wait", 0.0) for h in hosts), default=0.0),
         "sync wait": max((h.get("sync_wait", 0.0) for h in hosts), default=0.0),
         "rebase": max((h.get("rebase", 0.0) for h in hosts), default=0.0),
     }

@@ -64,10 +64,14 @@ class DeltaInfo:
     # Where shipping it went: ``trained - original`` computed, cast and written; the PUT.
     write_s: float = 0.0
     upload_s: float = 0.0
+    # An overlapped round's: PUT beside the next round, its end reported in the heartbeat.
+    deferred: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}
         out.update(write_s=round(self.write_s, 6), upload_s=round(self.upload_s, 6))
+        if self.deferred:
+            out["upload"] = "deferred"
         if self.url is not None:
             out["url"] = self.url
         if self.path is not None:

@@ -154,11 +154,22 @@ class DeltaFolder:
         self._lock = threading.Lock()
         self._decoded = 0
         self.peak_decoded = 0  # the most deltas decoded at once (tests check the bound)
+        # Overlapped rounds: deltas whose upload runs beside the next round, host -> (name, hash),
+        # submitted once the upload is reported done (orchestrator.overlap.await_uploads).
+        self.deferred: dict[str, tuple[str, str]] = {}
 
     def submit(self, host: str, name: str, expected_hash: str) -> None:
         if host in self._futures:
             raise ValueError(f"{host}'s delta was submitted already")
         self._futures[host] = self._pool.submit(self._one, host, name, expected_hash)
+
+    def refuse(self, host: str, reason: str) -> None:
+        """``host``'s delta is out of the mean without a fetch (its upload failed, say)."""
+        if host in self._futures:
+            raise ValueError(f"{host}'s delta was submitted already")
+        refused: Future[Folded] = Future()
+        refused.set_result(Folded(host, reason, 0.0))
+        self._futures[host] = refused
 
     def _one(self, host: str, name: str, expected_hash: str) -> Folded:
         started = time.monotonic()

@@ -49,7 +49,7 @@ from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failur
 from orchestrator.elastic import Elastic
 from orchestrator.membership import HostState, Membership
 from orchestrator.outer import OuterOptimizer, mean_delta
-from orchestrator.overlap import OverlappedLoop
+from orchestrator.overlap import OverlappedLoop, await_uploads
 from orchestrator.phases import PhaseClock, worker_phases
 from orchestrator.records import RoundSummary, Session
 from tasks.client import RoundClient
@@ -251,9 +251,14 @@ class Orchestrator:
 
         def fold(outcome: Outcome) -> None:
             if outcome.completed and outcome.result is not None:
-                folder.submit(
-                    outcome.host, self.delta_name(round_num, outcome.host), outcome.result["delta"]["hash"]
-                )
+                delta, name = outcome.result["delta"], self.delta_name(round_num, outcome.host)
+                if isinstance(delta, dict) and delta.get("upload") == "deferred":
+                    folder.deferred[outcome.host] = (
+                        name,
+                        str(delta.get("hash")),
+                    )  # PUT beside the next round
+                else:
+                    folder.submit(outcome.host, name, delta["hash"])
 
         session = self.session
         try:
@@ -270,6 +275,7 @@ class Orchestrator:
         """The mean of the good deltas, and why the others were refused."""
         try:
             with clock.phase("fold"):  # what folding adds after the last result is in
+                await_uploads(folder, self.membership.alive, self.session.round_deadline_s)
                 errors = {host: f.error for host, f in folder.results().items() if f.error}
                 return (folder.mean.mean() if folder.mean.count else {}), errors
         finally:

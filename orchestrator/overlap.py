@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -236,3 +236,46 @@ class OverlappedLoop:
             o.membership.active(), c.clock.to_json(), host_phases, overlap=True,
         )  # fmt: skip
         o.finish_round(summary)
+
+
+UPLOAD_POLL_S = 0.05
+UPLOAD_UNREPORTED_S = 10.0  # a delta no heartbeat mentions for this long is not coming
+
+
+def await_uploads(
+    folder: DeltaFolder,
+    alive: Callable[[Iterable[str]], Mapping[str, Mapping[str, Any] | None]],
+    bound_s: float,
+) -> None:
+    """Hand ``folder`` each deferred delta once its host's heartbeat reports the upload done
+    (``uploads`` in the beat); refuse it when the upload failed, the host is lost, no beat
+    mentions it for ``UPLOAD_UNREPORTED_S`` (its worker restarted: the upload died with it), or
+    ``bound_s`` passed. A beat is the worker's word: it decides only that host's delta."""
+    unreported: dict[str, float] = {}
+    until = time.monotonic() + bound_s
+    while folder.deferred:
+        beats, now = alive(list(folder.deferred)), time.monotonic()
+        for host, (name, delta_hash) in list(folder.deferred.items()):
+            beat = beats.get(host)
+            reports = beat.get("uploads") if isinstance(beat, Mapping) else None
+            report = next(
+                (r for r in reports or [] if isinstance(r, Mapping) and r.get("hash") == delta_hash), None
+            )
+            if beat is None:
+                why: str | None = "lost before its delta's upload was reported"
+            elif report is None:
+                since = unreported.setdefault(host, now)
+                why = "its delta's upload is not reported" if now - since > UPLOAD_UNREPORTED_S else None
+            elif report.get("state") == "done":
+                del folder.deferred[host]
+                folder.submit(host, name, delta_hash)
+                continue
+            elif report.get("state") == "failed":
+                why = f"its delta's upload failed: {str(report.get('error'))[:500]}"
+            else:
+                why = f"its delta's upload did not end within {bound_s:g} s" if now > until else None
+            if why is not None:
+                del folder.deferred[host]
+                folder.refuse(host, why)
+        if folder.deferred:
+            time.sleep(UPLOAD_POLL_S)

@@ -68,6 +68,7 @@ def worker_phases(result: Mapping[str, Any] | None) -> dict[str, float]:
         ("upload", delta.get("upload_s")),
         ("sync_wait", overlap.get("sync_wait_s")),
         ("rebase", overlap.get("rebase_s")),
+        ("upload_wait", overlap.get("upload_wait_s")),
         ("apply", sync.get("seconds")),
     ]
     return {name: value for name, raw in said if (value := seconds(raw)) is not None}

@@ -130,18 +130,23 @@ def run_round(
 
 def _rebase(rt: Any, sync_wait_s: float, inbox: SyncInbox | None, completed: bool) -> dict[str, Any]:
     """An overlapped round's end: wait for its sync (idle time, reported), then the working copy
-    the next round starts from. A round that did not complete waits for nothing: its host is
-    re-synced by the orchestrator."""
+    the next round starts from, and its delta handed to an upload beside the next round. A round
+    that did not complete waits for nothing: its host is re-synced by the orchestrator."""
     waiting = time.monotonic()
     synced = inbox is None or (completed and inbox.wait(sync_wait_s))
     waited = time.monotonic() - waiting
     rebasing = time.monotonic()
-    rebased = rt.executor.overlapped.rebase(completed and synced)
+    keeper = rt.executor.overlapped
+    rebased = keeper.rebase(completed and synced)
+    rebase_s = time.monotonic() - rebasing
+    # The delta's PUT runs beside the next round; its end is in the heartbeat, written at once.
+    upload_wait_s = keeper.overlap.hand_off(on_done=rt.beat)
     out: dict[str, Any] = {
         "global_hash": rt.executor.session.model_hash if rt.executor.session else None,
         "rebased": rebased,
         "sync_wait_s": round(waited, 6),
-        "rebase_s": round(time.monotonic() - rebasing, 6),
+        "rebase_s": round(rebase_s, 6),
+        "upload_wait_s": round(upload_wait_s, 6),
         "sync": inbox.outcome if inbox is not None else None,
     }
     if inbox is not None and completed and not synced:

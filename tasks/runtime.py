@@ -226,6 +226,9 @@ class ChildRuntime:
             "cache": ex_status["cache"],
             "sandbox": ex_status["sandbox"],
             "events": {"published": self.events.published, "dropped": self.events.dropped},
+            # Overlapped rounds' deltas, PUT beside the next round (the orchestrator folds one
+            # once its upload is reported done here).
+            "uploads": self.executor.overlapped.overlap.reports(),
             "versions": versions(),
         }
 

@@ -21,7 +21,7 @@ Inside the package each module imports only those above it in this list.
 from executor.session._keeper import SessionConfig, SessionKeeper
 from executor.session._manifest import Manifest, drop_manifest, read_manifest
 from executor.session._model import InstalledModel, ModelFiles, ModelLimits, model_fingerprint
-from executor.session._overlap import NotInSync, OverlapSpec
+from executor.session._overlap import NotInSync, OverlapSpec, WorkingCopy
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._state import Session
 
@@ -39,6 +39,7 @@ __all__ = [
     "SessionConfig",
     "SessionKeeper",
     "SyncRequest",
+    "WorkingCopy",
     "drop_manifest",
     "model_fingerprint",
     "read_manifest",

@@ -19,13 +19,13 @@ import torch
 
 from executor import placement, transfer
 from executor.errors import ErrorInfo, InvalidRequest, RoundhouseError, map_exceptions
-from executor.fileio import empty_dir, remove_quietly
+from executor.fileio import empty_dir
 from executor.results import ApplyOutcome, DeltaInfo, LoadResult, RoundResult
 from executor.rounds import RoundOutcome, RoundRunner, round_result
 from executor.session._loading import LoadPipeline
 from executor.session._manifest import read_manifest, write_manifest
 from executor.session._model import ModelFiles, ModelLimits
-from executor.session._overlap import NotInSync, WorkingCopy
+from executor.session._overlap import Overlap
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._shipping import ship_delta
 from executor.session._state import Session
@@ -73,8 +73,7 @@ class SessionKeeper:
         self._stop = stop
         self._progress = progress
         self.current: Session | None = None
-        self.working = WorkingCopy(models.model_dir)
-        self._kept_delta: str | None = None  # an overlapped round's delta, until its rebase
+        self.overlap = Overlap(models.model_dir, transfer_config, config.stop_join_timeout_s)
 
     def require(self) -> Session:
         if self.current is None:
@@ -136,7 +135,7 @@ class SessionKeeper:
     def rehydrate(self) -> Session | None:
         """The session a previous process left in this work dir (its manifest and model file),
         opened cold; None, leaving nothing changed, when there is nothing usable."""
-        self.working.drop()  # a dead process's working copy: its base is not known to be current
+        self.overlap.working.drop()  # a dead process's working copy: its base is not known to be current
         manifest = read_manifest(self.work_dir)
         if manifest is None:
             return None
@@ -183,11 +182,11 @@ class SessionKeeper:
             transfer_config=self._transfer,
             abort=self._stop,
             error_feedback=self.config.quant.error_feedback,
-            keep=request.overlap is not None,
+            defer=request.overlap is not None,
         )
-        if request.overlap is None:
+        if request.overlap is None or info.path is None:
             return info
-        self._kept_delta = info.path
+        self.overlap.keep(info.path, request.delta_url, info.hash, request.spec.round_num)
         return replace(info, path=None)  # the work dir's own copy, for the rebase: not reported
 
     def sync(self, request: SyncRequest) -> ApplyOutcome:
@@ -217,17 +216,11 @@ class SessionKeeper:
         """Before a round starts: which file it starts from. An overlapped round starts from W
         when W is built on the global model it names; a sequential round ends overlap."""
         session = self.require()
-        spec = request.overlap
-        if spec is None:
+        if request.overlap is None:
             self.end_overlap()
             return
-        if session.model_hash != spec.base_hash or not session.model.file_unchanged():
-            raise NotInSync(
-                "this host does not hold the global model the overlapped round starts on",
-                {"expected": spec.base_hash, "held": session.model_hash},
-            )
-        self._drop_kept_delta()
-        session.working = self.working.path if self.working.usable(session.model_hash) else None
+        unchanged = session.model.file_unchanged()
+        session.working = self.overlap.start_path(request.overlap, session.model_hash, unchanged)
 
     def sync_beside(self, request: SyncRequest) -> ApplyOutcome:
         """An overlapped round's sync, applied to G while the round trains from W (on the
@@ -245,32 +238,19 @@ class SessionKeeper:
 
     def rebase(self, completed: bool) -> bool:
         """After an overlapped round: W = G + the delta it shipped (``completed``: it did, and
-        G is the global model the next round names); else W is dropped. True when rebased."""
-        session, delta = self.current, self._kept_delta
-        self._kept_delta = None
-        try:
-            if session is None or not completed or delta is None:
-                self.working.drop()
-                return False
-            with map_exceptions({}, where="the work dir (working copy)"):
-                self.working.rebase(session.model_path, session.model_hash, delta)
-            return True
-        finally:
-            if session is not None:
-                session.working = None
-            if delta is not None:
-                remove_quietly(delta)
+        G is the global model the next round names); else W is dropped. True when rebuilt."""
+        session = self.current
+        if session is None:
+            self.end_overlap()
+            return False
+        session.working = None
+        with map_exceptions({}, where="the work dir (working copy)"):
+            return self.overlap.rebase(session.model_path, session.model_hash, completed)
 
     def end_overlap(self) -> None:
-        self._drop_kept_delta()
-        self.working.drop()
+        self.overlap.end()
         if self.current is not None:
             self.current.working = None
-
-    def _drop_kept_delta(self) -> None:
-        if self._kept_delta is not None:
-            remove_quietly(self._kept_delta)
-            self._kept_delta = None
 
     # ------------------------------------------------------------ the end
 

@@ -22,12 +22,19 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from executor import transfer
 from executor.delta import apply_rule, max_delta_bytes, read_delta, result_dtype
-from executor.errors import HashMismatch, InvalidRequest
-from executor.fileio import atomic_writer
+from executor.errors import ErrorInfo, HashMismatch, InvalidRequest, error_info
+from executor.fileio import atomic_writer, remove_quietly
+from executor.stopping import DoneThread
 from executor.tensorfile import StreamWriter, iter_tensors, read_header, tensor_bytes
+from executor.urls import Url
 
 WORKING_NAME = "working.safetensors"
 MAX_SYNC_WAIT_S = 24 * 3600.0
@@ -105,3 +112,139 @@ class WorkingCopy:
         self.base_hash = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+class DeferredUpload:
+    """An overlapped round's delta, PUT while the next round trains (so the GPU does not wait
+    on the link). Its own stop: the next round's stop does not cancel it; a reset, a load or
+    a sequential round does. The file is removed once the upload has ended, either way."""
+
+    def __init__(
+        self,
+        path: str,
+        url: Url,
+        *,
+        round_num: int,
+        delta_hash: str,
+        config: transfer.TransferConfig,
+        on_done: Callable[[], None],
+    ) -> None:
+        self.round_num, self.delta_hash = round_num, delta_hash
+        self.state = "running"
+        self.error: ErrorInfo | None = None
+        self.seconds = 0.0
+        self._path, self._url, self._config, self._on_done = path, url, config, on_done
+        self._abort = threading.Event()
+        self._thread = DoneThread(self._run, "roundhouse-delta-upload")
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            transfer.upload(self._path, self._url, config=self._config, abort=self._abort)
+            self.state = "done"
+        except Exception as exc:  # reported in the heartbeat: the orchestrator leaves the delta out
+            self.error, self.state = error_info(exc), "failed"
+        finally:
+            self.seconds = time.monotonic() - started
+            remove_quietly(self._path)
+            self._on_done()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._thread.wait(timeout_s)
+
+    def cancel(self, timeout_s: float) -> None:
+        self._abort.set()
+        self._thread.wait(timeout_s)
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"round": self.round_num, "hash": self.delta_hash, "state": self.state}
+        out["seconds"] = round(self.seconds, 6)
+        if self.error is not None:
+            out["error"] = self.error.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class KeptDelta:
+    """An overlapped round's delta file, from its write to its hand-off to the upload."""
+
+    path: str
+    url: Url | None
+    delta_hash: str
+    round_num: int
+
+
+class Overlap:
+    """An overlapped session's side of the worker: W, the last round's delta until it is handed
+    to its upload, and the uploads that run beside the next rounds (the last few, reported in
+    the heartbeat: the orchestrator folds a delta once its upload is reported done)."""
+
+    KEPT_REPORTS = 4
+
+    def __init__(
+        self, model_dir: str, transfer_config: transfer.TransferConfig, join_timeout_s: float
+    ) -> None:
+        self.working = WorkingCopy(model_dir)
+        self.kept: KeptDelta | None = None
+        self.uploads: deque[DeferredUpload] = deque(maxlen=self.KEPT_REPORTS)
+        self._transfer, self._join_timeout_s = transfer_config, join_timeout_s
+
+    def start_path(self, spec: OverlapSpec, global_hash: str, unchanged: bool) -> str | None:
+        """Where the round starts: W when it is built on the global model the round names (None:
+        the global model itself). ``NotInSync`` when this host does not hold that model."""
+        if global_hash != spec.base_hash or not unchanged:
+            raise NotInSync(
+                "this host does not hold the global model the overlapped round starts on",
+                {"expected": spec.base_hash, "held": global_hash},
+            )
+        self.drop_kept()
+        return self.working.path if self.working.usable(global_hash) else None
+
+    def keep(self, path: str, url: Url | None, delta_hash: str, round_num: int) -> None:
+        self.drop_kept()
+        self.kept = KeptDelta(path, url, delta_hash, round_num)
+
+    def rebase(self, global_path: str, global_hash: str, completed: bool) -> bool:
+        """W = G + the kept delta (``completed``: the round shipped it and G is the model the next
+        round names), else W dropped. True when rebuilt."""
+        if not completed or self.kept is None:
+            self.working.drop()
+            return False
+        self.working.rebase(global_path, global_hash, self.kept.path)
+        return True
+
+    def hand_off(self, on_done: Callable[[], None]) -> float:
+        """The kept delta to its upload, once the previous upload has ended (a link slower than a
+        round: that wait is idle time, returned in seconds)."""
+        started = time.monotonic()
+        for upload in self.uploads:
+            upload.wait()
+        waited = time.monotonic() - started
+        kept, self.kept = self.kept, None
+        if kept is not None and kept.url is not None:
+            self.uploads.append(
+                DeferredUpload(
+                    kept.path, kept.url, round_num=kept.round_num, delta_hash=kept.delta_hash,
+                    config=self._transfer, on_done=on_done,
+                )
+            )  # fmt: skip
+        elif kept is not None:
+            remove_quietly(kept.path)
+        return waited
+
+    def reports(self) -> list[dict[str, object]]:
+        return [upload.to_json() for upload in list(self.uploads)]
+
+    def drop_kept(self) -> None:
+        if self.kept is not None:
+            remove_quietly(self.kept.path)
+            self.kept = None
+
+    def end(self) -> None:
+        """The model is no longer the overlapped session's: W, the kept delta and the uploads go."""
+        self.drop_kept()
+        self.working.drop()
+        for upload in list(self.uploads):
+            upload.cancel(self._join_timeout_s)
+        self.uploads.clear()

@@ -35,11 +35,11 @@ def ship_delta(
     transfer_config: transfer.TransferConfig,
     abort: threading.Event,
     error_feedback: bool = True,
-    keep: bool = False,
+    defer: bool = False,
 ) -> DeltaInfo:
-    """Write the trained delta (a zero delta when nothing was saved) and upload it; ``keep``:
-    the file stays in the work dir after its upload too (its ``path`` returned), for an
-    overlapped session's rebase."""
+    """Write the trained delta (a zero delta when nothing was saved) and upload it; ``defer``
+    (an overlapped round): written only, its ``path`` returned, for the rebase and the upload
+    that runs beside the next round (``executor.session._overlap.DeferredUpload``)."""
     dirs = SessionDir(work_dir)
     os.makedirs(dirs.deltas, exist_ok=True)
     path = dirs.round_delta(request.spec.round_num)
@@ -50,24 +50,23 @@ def ship_delta(
         residual = stack.enter_context(feedback.next_round()) if feedback is not None else None
         with map_exceptions({}, where="the work dir (trained delta)"):
             written = write_result_delta(model_path, trained or {}, path, dtype=dtype, feedback=residual)
-            if not delta_url and residual is not None:
-                residual.commit()  # kept in the work dir: delivered
+            if (defer or not delta_url) and residual is not None:
+                # Kept in the work dir, or handed to an upload beside the next round, whose own
+                # delta is cut before that upload ends: counted as delivered once written.
+                residual.commit()
         info = DeltaInfo(
             written.bytes, written.hash, written.dtype, written.keys, write_s=time.monotonic() - started
         )
         if not delta_url:
             return replace(info, path=path)
+        if defer:
+            return replace(info, url=str(delta_url), path=path, deferred=True)  # str: redacted
         uploading = time.monotonic()
         try:
             transfer.upload(path, delta_url, config=transfer_config, abort=abort)
-        except BaseException:
-            os.unlink(path)
-            raise
-        if not keep:
+        finally:
             os.unlink(path)
         info = replace(info, url=str(delta_url), upload_s=time.monotonic() - uploading)  # str: redacted
-        if keep:
-            info = replace(info, path=path)
         if residual is not None:
             with map_exceptions({}, where="the work dir (error feedback)"):
                 residual.commit()

@@ -284,3 +284,33 @@ def test_an_overlapped_round_on_a_model_the_host_does_not_hold_is_refused(cluste
     assert describe(refused.value).startswith("NotInSync (hash_mismatch)"), describe(refused.value)
     assert held(orchestrator) == {orchestrator.global_hash}  # nothing changed on the host
     orchestrator.close()
+
+
+class BrokenPut:
+    """The cluster's artifact server, but one host's delta URL of one round is refused (403):
+    an upload that fails beside the next round."""
+
+    def __init__(self, server: ArtifactServer, broken: str) -> None:
+        self.server, self.broken = server, broken
+
+    def url_put(self, name: str, expires_s: float = 3600) -> str:
+        url = self.server.url_put(name, expires_s)
+        return url + "0" if name.endswith(self.broken) else url  # a signature that does not verify
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)
+
+
+def test_a_delta_whose_upload_fails_beside_the_next_round_is_left_out(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    client, server, _redis, _cache = cluster
+    orchestrator = Orchestrator(client, server, build_model(), session(HOSTS, server, tmp_path, "ov7"))
+    orchestrator.store = BrokenPut(server, orchestrator.delta_name(1, "ov-b"))  # type: ignore[assignment]
+    orchestrator.load()
+    history = orchestrator.run(3)
+    # Its round completed (the delta written, its PUT handed to a thread): the PUT failed beside
+    # round 2, its heartbeat said so, and the orchestrator left that delta out, nothing else.
+    assert history[1].included == ["ov-a"], history[1].excluded
+    assert "upload failed" in history[1].excluded["ov-b"] and "download_failed" in history[1].excluded["ov-b"]
+    assert history[0].included == HOSTS and history[2].included == HOSTS
+    assert held(orchestrator) == {orchestrator.global_hash}
+    orchestrator.close()

@@ -1,0 +1,162 @@
+"""Overlapped rounds' parts (docs/OVERLAP.md): the round's ``overlap`` argument and the sync order
+refused when hostile, the working copy W = G + the shipped delta, and the orchestrator's wait
+for the deltas whose PUT runs beside the next round (the heartbeats are the test's own data)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import orchestrator.overlap as overlap
+from executor.delta import apply_rule, read_delta, write_result_delta
+from executor.errors import InvalidRequest
+from executor.session import OverlapSpec, WorkingCopy
+from executor.tensorfile import load_state
+from orchestrator.aggregate import DeltaFolder
+from tasks.overlap import BadOrder, SyncOrder
+
+HASH = "sha256:" + "a" * 64
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x",
+        [],
+        {"sync_id": "abc"},  # no base hash
+        {"base_hash": 7},
+        {"base_hash": "h" * 300},
+        {"base_hash": HASH, "sync_id": "../etc"},
+        {"base_hash": HASH, "sync_id": "a" * 65},
+        {"base_hash": HASH, "sync_id": 5},
+        {"base_hash": HASH, "sync_wait_s": math.nan},
+        {"base_hash": HASH, "sync_wait_s": -1},
+        {"base_hash": HASH, "sync_wait_s": True},
+        {"base_hash": HASH, "sync_wait_s": "10"},
+        {"base_hash": HASH, "sync_wait_s": 1e12},
+    ],
+)
+def test_a_hostile_overlap_argument_is_an_invalid_request(value: Any) -> None:
+    with pytest.raises(InvalidRequest):
+        OverlapSpec.parse(value)
+
+
+def test_an_overlap_argument_parses() -> None:
+    assert OverlapSpec.parse(None) is None
+    spec = OverlapSpec.parse({"base_hash": HASH, "sync_id": "ab12", "sync_wait_s": 5})
+    assert spec == OverlapSpec(HASH, "ab12", 5.0)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        None,
+        [],
+        {"sync_id": "a", "round": -1, "model_url": "u", "base_hash": "b", "result_hash": "r"},
+        {"sync_id": "a", "round": True, "model_url": "u", "base_hash": "b", "result_hash": "r"},
+        {"sync_id": "a", "round": 1, "model_url": "", "base_hash": "b", "result_hash": "r"},
+        {"sync_id": "a", "round": 1, "model_url": "u", "base_hash": "b"},
+        {"sync_id": "a", "round": 1, "model_url": "u", "delta_url": 3, "base_hash": "b", "result_hash": "r"},
+        {"sync_id": "a", "round": 1, "model_url": "u" * 70000, "base_hash": "b", "result_hash": "r"},
+    ],
+)
+def test_a_malformed_sync_order_is_refused(data: Any) -> None:
+    with pytest.raises(BadOrder):
+        SyncOrder.from_json(data)
+
+
+def test_a_sync_order_round_trips() -> None:
+    order = SyncOrder("ab", 3, "http://m", None, "b", "r")
+    assert SyncOrder.from_json(order.to_json()) == order
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_the_working_copy_is_the_global_model_plus_the_shipped_delta(tmp_path: Path, dtype: str) -> None:
+    from executor.session import QuantConfig
+
+    torch.manual_seed(0)
+    start = {"w": torch.randn(64, 33), "b": torch.randn(33), "steps": torch.tensor([3])}
+    trained = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in start.items()}
+    glob = {k: v + 0.5 if v.is_floating_point() else v for k, v in start.items()}  # the sync moved it
+    save_file(start, str(tmp_path / "start.safetensors"))
+    save_file(glob, str(tmp_path / "global.safetensors"))
+    delta_path = str(tmp_path / "delta.zst")
+    write_result_delta(
+        str(tmp_path / "start.safetensors"), trained, delta_path, dtype=QuantConfig().delta_format(dtype)
+    )
+    copy = WorkingCopy(str(tmp_path))
+    copy.rebase(str(tmp_path / "global.safetensors"), HASH, delta_path)
+    working, delta = load_state(copy.path), read_delta(delta_path)
+    assert set(working) == set(glob)
+    for key, value in glob.items():  # bit-exact: the sync's own rule, on the values reported
+        assert torch.equal(working[key], apply_rule(value, delta.get(key))), key
+    assert copy.usable(HASH) and not copy.usable("sha256:" + "b" * 64)
+    copy.drop()
+    assert not copy.usable(HASH) and not Path(copy.path).exists()
+
+
+class Beats:
+    """What each host's heartbeat says, round after round of polls (the test's own data)."""
+
+    def __init__(self, script: dict[str, list[dict[str, Any] | None]]) -> None:
+        self.script = script
+
+    def __call__(self, hosts: Any) -> dict[str, dict[str, Any] | None]:
+        return {h: (self.script[h].pop(0) if len(self.script[h]) > 1 else self.script[h][0]) for h in hosts}
+
+
+def upload(delta_hash: str, state: str, **more: Any) -> dict[str, Any]:
+    return {
+        "uploads": [
+            {"round": 1, "hash": "other", "state": "done"},
+            {"hash": delta_hash, "state": state, **more},
+        ]
+    }
+
+
+def test_a_deferred_delta_is_fetched_only_once_its_upload_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(overlap, "UPLOAD_POLL_S", 0.01)
+    monkeypatch.setattr(overlap, "UPLOAD_UNREPORTED_S", 0.2)
+    submitted: list[str] = []
+    folder = DeltaFolder(object(), str(tmp_path), {"w": torch.zeros(2)})  # type: ignore[arg-type]
+    monkeypatch.setattr(folder, "submit", lambda host, name, h: submitted.append(host))
+    folder.deferred = {
+        "ok": ("n1", "h1"),  # running twice, then done: fetched
+        "failed": ("n2", "h2"),
+        "lost": ("n3", "h3"),
+        "forgotten": ("n4", "h4"),  # a restarted worker's beats do not mention it
+        "hostile": ("n5", "h5"),  # a beat that is not what a worker writes
+    }
+    beats = Beats(
+        {
+            "ok": [upload("h1", "running"), upload("h1", "running"), upload("h1", "done")],
+            "failed": [upload("h2", "failed", error={"code": "download_failed", "message": "HTTP 403"})],
+            "lost": [upload("h3", "running"), None],
+            "forgotten": [{"uploads": []}],
+            "hostile": [{"uploads": "nonsense"}],
+        }
+    )
+    overlap.await_uploads(folder, beats, bound_s=30)
+    assert submitted == ["ok"] and not folder.deferred
+    errors = {host: f.error for host, f in folder.results().items()}
+    assert "HTTP 403" in str(errors["failed"]) and "lost" in str(errors["lost"])
+    assert "not reported" in str(errors["forgotten"]) and "not reported" in str(errors["hostile"])
+    folder.close()
+
+
+def test_an_upload_that_never_ends_is_given_up_at_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(overlap, "UPLOAD_POLL_S", 0.01)
+    folder = DeltaFolder(object(), str(tmp_path), {"w": torch.zeros(2)})  # type: ignore[arg-type]
+    folder.deferred = {"slow": ("n", "h")}
+    overlap.await_uploads(folder, Beats({"slow": [upload("h", "running")]}), bound_s=0.1)
+    assert "did not end within 0.1 s" in str(folder.results()["slow"].error)
+    folder.close()
