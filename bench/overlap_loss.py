@@ -36,6 +36,7 @@ TARGET = 0.02  # overlapped's final loss within 2 % of sequential's (issue 28)
 
 
 def session_losses(
+    key: str,
     model: BenchModel,
     client: RoundClient,
     hosts: list[str],
@@ -51,7 +52,7 @@ def session_losses(
             shards.append({"name": name, "compression": "zstd", "size_bytes": path.stat().st_size})
         session = Session(
             hosts, shards, model.code, params=model.params, steps=args.steps, batch_size=model.batch_size,
-            tenant=f"loss-{model.name}-{overlap}", overlap=overlap,
+            tenant=f"loss-{key}-{int(overlap)}", overlap=overlap,
         )  # fmt: skip
         losses: list[float] = []
         orchestrator = Orchestrator(
@@ -126,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             hosts = [w.host_id for w in workers]
             for name in args.models.split(","):
+                (base / f"data-{name}").mkdir()
                 model = MODELS[name](base / f"data-{name}")
                 record: dict[str, Any] = {"model": name}
                 for mode in ("sequential", "overlapped"):
                     root = base / f"store-{name}-{mode}"
-                    record[mode] = session_losses(model, client, hosts, root, args, mode == "overlapped")
+                    record[mode] = session_losses(
+                        name, model, client, hosts, root, args, mode == "overlapped"
+                    )
                 seq, ovl = record["sequential"]["losses"][-1], record["overlapped"]["losses"][-1]
                 record["ratio"] = ovl / seq
                 records.append(record)

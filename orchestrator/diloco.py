@@ -326,6 +326,15 @@ class Orchestrator:
             self._model_name = self._publish_global(self._checkpoint() or self._model_file(sync.result))
         return self.store.url_get(delta_name), sync.base_hash
 
+    def publish_delta(self, name: str, delta: Mapping[str, torch.Tensor]) -> tuple[str, str]:
+        """``delta`` as a delta file in the store under ``name`` (this process's run id added):
+        its URL and hash."""
+        path = os.path.join(self._scratch, "published.zst")
+        written = write_delta(delta, path)
+        stored = f"{name}-{self._run_id}.safetensors.zst"
+        self.store.publish(stored, path)
+        return self.store.url_get(stored), written.hash
+
     def _model_file(self, state: Mapping[str, torch.Tensor]) -> str:
         path = os.path.join(self._scratch, "global.safetensors")
         with atomic_writer(path) as file:

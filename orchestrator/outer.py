@@ -63,5 +63,18 @@ class OuterOptimizer:
             new[key] = stepped.to(value.dtype)
         return new
 
+    def eager_gain(self) -> float:
+        """What the next step multiplies the mean delta by: in an overlapped round a host steps
+        ahead alone with its own delta in the mean's place (docs/OVERLAP.md)."""
+        return self.lr * (1 + self.momentum) if self.nesterov else self.lr
+
+    def eager_correction(self) -> dict[str, torch.Tensor]:
+        """The rest of the next step, the same for every host: ``-lr mu^2 v`` (Nesterov) or
+        ``-lr mu v`` (plain), in float16 (what a host adds to its working copy); {} when zero."""
+        scale = -self.lr * self.momentum * (self.momentum if self.nesterov else 1.0)
+        if not scale or not self.velocity:
+            return {}
+        return {key: (value * scale).to(torch.float16) for key, value in sorted(self.velocity.items())}
+
     def settings(self) -> dict[str, Any]:
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}

@@ -91,6 +91,7 @@ class Driver(Protocol):
     ) -> dict[str, str]: ...
     def finish_round(self, summary: RoundSummary) -> None: ...
     def model_url(self) -> str: ...
+    def publish_delta(self, name: str, delta: Mapping[str, torch.Tensor]) -> tuple[str, str]: ...
 
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,10 @@ class OverlappedLoop:
         started, clock = time.monotonic(), PhaseClock()
         hosts = o.membership.active()
         sync_id = secrets.token_hex(16) if previous is not None else None
-        overlap = {"base_hash": o.global_hash, "sync_id": sync_id, "sync_wait_s": session.sync_timeout_s}
+        overlap = {
+            "base_hash": o.global_hash, "sync_id": sync_id, "sync_wait_s": session.sync_timeout_s,
+            "gain": o.outer.eager_gain(),
+        }  # fmt: skip
         with clock.phase("dispatch"):
             pending = {
                 host: o.client.run_round(
@@ -211,9 +215,12 @@ class OverlappedLoop:
         kept, new_state = self._outer(previous)
         base_hash = o.global_hash
         published = o.publish_sync(previous.round_num, new_state, previous.clock)
+        with previous.clock.phase("publish"):  # the part of the next step common to every host
+            correction = o.outer.eager_correction()
+            eager = o.publish_delta(f"sync/eager-{previous.round_num}", correction) if correction else None
         order = SyncOrder(
             sync_id, previous.round_num, o.model_url(), published[0] if published else None,
-            base_hash, o.global_hash,
+            base_hash, o.global_hash, *(eager or (None, None)),
         )  # fmt: skip
         with previous.clock.phase("apply"):  # here: the orders sent (each host applies beside)
             for host in hosts:

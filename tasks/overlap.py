@@ -67,6 +67,9 @@ class SyncOrder:
     delta_url: str | None
     base_hash: str
     result_hash: str
+    # The common part of the next outer step (its file and hash), for the host's eager step.
+    eager_url: str | None = None
+    eager_hash: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -76,6 +79,8 @@ class SyncOrder:
             "delta_url": self.delta_url,
             "base_hash": self.base_hash,
             "result_hash": self.result_hash,
+            "eager_url": self.eager_url,
+            "eager_hash": self.eager_hash,
         }
 
     @classmethod
@@ -92,6 +97,8 @@ class SyncOrder:
             _text(data, "delta_url", optional=True),
             str(_text(data, "base_hash")),
             str(_text(data, "result_hash")),
+            _text(data, "eager_url", optional=True),
+            _text(data, "eager_hash", optional=True),
         )
 
 

@@ -25,6 +25,7 @@ import redis
 from celery.exceptions import SoftTimeLimitExceeded
 
 from executor import Stopped
+from executor.urls import Url
 from executor.workdir import session_dir
 from settings import Settings, get_settings
 from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
@@ -201,9 +202,16 @@ class ChildRuntime:
                 base_hash=order.base_hash,
                 result_hash=order.result_hash,
             )
-            outcome = self.executor.overlapped.sync_beside(request)
-            self.emit("state", {"event": "synced-beside", "round": order.round_num, "via": outcome.via.value})
-            return outcome.to_json()
+            keeper = self.executor.overlapped
+            outcome = keeper.sync_beside(request).to_json()
+            if order.eager_url and order.eager_hash:
+                try:
+                    keeper.fetch_correction(Url(order.eager_url), order.eager_hash)
+                except Exception as exc:  # the sync holds; the host's eager step is only rougher
+                    logger.warning("eager step's correction not used: %s", exc)
+                    outcome["eager_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            self.emit("state", {"event": "synced-beside", "round": order.round_num, "via": outcome["via"]})
+            return outcome
 
         return SyncInbox(
             self._redis, self.host_id, sync_id, apply, stop=current.stop, **self._sync_verification

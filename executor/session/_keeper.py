@@ -10,6 +10,7 @@ needs comes in its :class:`SessionConfig`, built once where the Executor is buil
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -18,8 +19,9 @@ from functools import partial
 import torch
 
 from executor import placement, transfer
-from executor.errors import ErrorInfo, InvalidRequest, RoundhouseError, map_exceptions
-from executor.fileio import empty_dir
+from executor.delta import max_delta_bytes, read_delta, state_hash, zstd_bound
+from executor.errors import ErrorInfo, HashMismatch, InvalidRequest, RoundhouseError, map_exceptions
+from executor.fileio import empty_dir, remove_quietly
 from executor.results import ApplyOutcome, DeltaInfo, LoadResult, RoundResult
 from executor.rounds import RoundOutcome, RoundRunner, round_result
 from executor.session._loading import LoadPipeline
@@ -32,6 +34,7 @@ from executor.session._state import Session
 from executor.shards import ShardCache, ShardDescriptor, ShardSession
 from executor.stopping import DoneThread, StopSignal
 from executor.transfer import Progress
+from executor.urls import Url
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +238,21 @@ class SessionKeeper:
         return ApplyOutcome(
             synced.via, synced.model.model_hash, time.monotonic() - started, synced.reason, synced.noop
         )
+
+    def fetch_correction(self, url: Url, expected_hash: str) -> None:
+        """The common part of the next outer step that an overlapped sync order names (for the
+        rebase at the round's end), within the model's bound and checked against its hash."""
+        session = self.require()
+        path = os.path.join(self.models.incoming, "eager-correction.zst")
+        bound = max_delta_bytes(session.model_path)
+        try:
+            transfer.fetch(url, path, config=self._transfer, abort=self._stop, max_bytes=zstd_bound(bound))
+            correction = read_delta(path, max_bytes=bound, allow_torch=False)
+        finally:
+            remove_quietly(path)
+        if state_hash(correction) != expected_hash:
+            raise HashMismatch("the eager step's correction does not match the hash its order names")
+        self.overlap.correction = correction
 
     def rebase(self, completed: bool) -> bool:
         """After an overlapped round: W = G + the delta it shipped (``completed``: it did, and

@@ -25,8 +25,10 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+import torch
 
 from executor import transfer
 from executor.delta import apply_rule, max_delta_bytes, read_delta, result_dtype
@@ -38,6 +40,7 @@ from executor.urls import Url
 
 WORKING_NAME = "working.safetensors"
 MAX_SYNC_WAIT_S = 24 * 3600.0
+MAX_GAIN = 100.0
 SYNC_ID_CHARS = 64
 
 
@@ -54,6 +57,8 @@ class OverlapSpec:
     base_hash: str
     sync_id: str | None
     sync_wait_s: float
+    # The outer step's gain on the mean delta: W = G + gain * d + the order's correction.
+    gain: float = 1.0
 
     @classmethod
     def parse(cls, value: object) -> OverlapSpec | None:
@@ -79,7 +84,10 @@ class OverlapSpec:
             or not 0 <= wait <= MAX_SYNC_WAIT_S
         ):
             raise InvalidRequest(f"overlap.sync_wait_s must be seconds in [0, {MAX_SYNC_WAIT_S:g}]")
-        return cls(base_hash, sync_id, float(wait))
+        gain = value.get("gain", 1.0)
+        if not isinstance(gain, (int, float)) or isinstance(gain, bool) or not 0 <= gain <= MAX_GAIN:
+            raise InvalidRequest(f"overlap.gain must be a number in [0, {MAX_GAIN:g}]")
+        return cls(base_hash, sync_id, float(wait), float(gain))
 
 
 class WorkingCopy:
@@ -92,10 +100,21 @@ class WorkingCopy:
     def usable(self, global_hash: str) -> bool:
         return self.base_hash == global_hash and os.path.exists(self.path)
 
-    def rebase(self, global_path: str, global_hash: str, delta_path: str) -> None:
-        """W = G + the shipped delta, key by key (G streamed, the delta held: it is the small one)."""
+    def rebase(
+        self,
+        global_path: str,
+        global_hash: str,
+        delta_path: str,
+        *,
+        gain: float = 1.0,
+        correction: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """W = G + gain * the shipped delta + ``correction``, key by key (G streamed, the delta
+        held: it is the small one)."""
         self.drop()
         delta = read_delta(delta_path, max_bytes=max_delta_bytes(global_path), allow_torch=False)
+        if gain != 1.0 or correction:
+            delta = {key: _eager(value, gain, (correction or {}).get(key)) for key, value in delta.items()}
         with open(global_path, "rb") as source:
             header = read_header(source)
         names = sorted(header.specs)
@@ -112,6 +131,13 @@ class WorkingCopy:
         self.base_hash = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _eager(delta: torch.Tensor, gain: float, correction: torch.Tensor | None) -> torch.Tensor:
+    out = delta.to(torch.float32) * gain
+    if correction is not None and correction.shape == out.shape:
+        out.add_(correction.to(torch.float32))
+    return out
 
 
 class DeferredUpload:
@@ -188,6 +214,10 @@ class Overlap:
         self.working = WorkingCopy(model_dir)
         self.kept: KeptDelta | None = None
         self.uploads: deque[DeferredUpload] = deque(maxlen=self.KEPT_REPORTS)
+        # The round's eager step: its gain (from the round's task) and the correction the sync
+        # order brought (checked against the order's hash), used by the rebase at its end.
+        self.gain = 1.0
+        self.correction: dict[str, torch.Tensor] | None = None
         self._transfer, self._join_timeout_s = transfer_config, join_timeout_s
 
     def start_path(self, spec: OverlapSpec, global_hash: str, unchanged: bool) -> str | None:
@@ -199,6 +229,7 @@ class Overlap:
                 {"expected": spec.base_hash, "held": global_hash},
             )
         self.drop_kept()
+        self.gain, self.correction = spec.gain, None
         return self.working.path if self.working.usable(global_hash) else None
 
     def keep(self, path: str, url: Url | None, delta_hash: str, round_num: int) -> None:
@@ -208,10 +239,11 @@ class Overlap:
     def rebase(self, global_path: str, global_hash: str, completed: bool) -> bool:
         """W = G + the kept delta (``completed``: the round shipped it and G is the model the next
         round names), else W dropped. True when rebuilt."""
+        correction, self.correction = self.correction, None
         if not completed or self.kept is None:
             self.working.drop()
             return False
-        self.working.rebase(global_path, global_hash, self.kept.path)
+        self.working.rebase(global_path, global_hash, self.kept.path, gain=self.gain, correction=correction)
         return True
 
     def hand_off(self, on_done: Callable[[], None]) -> float:
@@ -245,6 +277,7 @@ class Overlap:
         """The model is no longer the overlapped session's: W, the kept delta and the uploads go."""
         self.drop_kept()
         self.working.drop()
+        self.correction = None
         for upload in list(self.uploads):
             upload.cancel(self._join_timeout_s)
         self.uploads.clear()

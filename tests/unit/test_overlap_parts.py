@@ -39,6 +39,9 @@ HASH = "sha256:" + "a" * 64
         {"base_hash": HASH, "sync_wait_s": True},
         {"base_hash": HASH, "sync_wait_s": "10"},
         {"base_hash": HASH, "sync_wait_s": 1e12},
+        {"base_hash": HASH, "gain": -1},
+        {"base_hash": HASH, "gain": math.inf},
+        {"base_hash": HASH, "gain": "2"},
     ],
 )
 def test_a_hostile_overlap_argument_is_an_invalid_request(value: Any) -> None:
@@ -48,8 +51,8 @@ def test_a_hostile_overlap_argument_is_an_invalid_request(value: Any) -> None:
 
 def test_an_overlap_argument_parses() -> None:
     assert OverlapSpec.parse(None) is None
-    spec = OverlapSpec.parse({"base_hash": HASH, "sync_id": "ab12", "sync_wait_s": 5})
-    assert spec == OverlapSpec(HASH, "ab12", 5.0)
+    spec = OverlapSpec.parse({"base_hash": HASH, "sync_id": "ab12", "sync_wait_s": 5, "gain": 1.33})
+    assert spec == OverlapSpec(HASH, "ab12", 5.0, 1.33)
 
 
 @pytest.mark.parametrize(
@@ -95,6 +98,12 @@ def test_the_working_copy_is_the_global_model_plus_the_shipped_delta(tmp_path: P
     assert set(working) == set(glob)
     for key, value in glob.items():  # bit-exact: the sync's own rule, on the values reported
         assert torch.equal(working[key], apply_rule(value, delta.get(key))), key
+    # The eager step of a momentum optimiser: gain * the delta + the common correction.
+    correction = {"w": torch.full((64, 33), 0.25, dtype=torch.float16)}
+    copy.rebase(str(tmp_path / "global.safetensors"), HASH, delta_path, gain=1.7, correction=correction)
+    eager = load_state(copy.path)
+    assert torch.equal(eager["w"], apply_rule(glob["w"], delta["w"].float() * 1.7 + 0.25))
+    assert torch.equal(eager["b"], apply_rule(glob["b"], delta["b"].float() * 1.7))
     assert copy.usable(HASH) and not copy.usable("sha256:" + "b" * 64)
     copy.drop()
     assert not copy.usable(HASH) and not Path(copy.path).exists()
@@ -160,3 +169,20 @@ def test_an_upload_that_never_ends_is_given_up_at_the_bound(
     overlap.await_uploads(folder, Beats({"slow": [upload("h", "running")]}), bound_s=0.1)
     assert "did not end within 0.1 s" in str(folder.results()["slow"].error)
     folder.close()
+
+
+def test_the_eager_step_of_the_outer_optimiser_is_its_next_step_with_one_hosts_delta() -> None:
+    """gain * d + correction is exactly the step the orchestrator would take with ``d`` as the
+    mean (the host steps ahead alone: docs/OVERLAP.md)."""
+    from orchestrator.outer import OuterOptimizer
+
+    torch.manual_seed(1)
+    theta, first, second = (torch.randn(100) for _ in range(3))
+    for nesterov in (True, False):
+        outer = OuterOptimizer(0.7, 0.9, nesterov)
+        outer.step({"w": theta}, {"w": first})  # a velocity to carry
+        correction = outer.eager_correction()["w"].float()
+        ahead = theta + outer.eager_gain() * second + correction
+        stepped = outer.step({"w": theta}, {"w": second})["w"]
+        assert torch.allclose(ahead, stepped, atol=2e-3), (nesterov, (ahead - stepped).abs().max())
+    assert OuterOptimizer(1.0, 0.0).eager_correction() == {} and OuterOptimizer(1.0, 0.0).eager_gain() == 1.0
