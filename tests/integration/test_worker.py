@@ -216,6 +216,7 @@ def test_events_arrive_in_order_without_gaps_and_replay(worker, artifacts, clien
     server, _root, descriptors = artifacts
     client.load_model("w1", server.url("model.safetensors"), descriptors, TRAIN_CODE).get(timeout=60)
     live: list = []
+    sent: list[str] = []  # this round's task id: an earlier test's round may end after the load
     started = threading.Event()
 
     def listen() -> None:
@@ -223,24 +224,22 @@ def test_events_arrive_in_order_without_gaps_and_replay(worker, artifacts, clien
         started.set()
         for event in stream:
             live.append(event)
-            if (
-                event.type == "state"
-                and event.data.get("event") == "task-finished"
-                and event.task == "run_round"
-            ):
+            if event.type == "state" and event.data.get("event") == "task-finished" and event.task_id in sent:
                 return
 
     listener = threading.Thread(target=listen)
     listener.start()
     started.wait(5)
-    result = client.run_round("w1", steps=5, round_num=3).get(timeout=120)
+    pending = client.run_round("w1", steps=5, round_num=3)
+    sent.append(pending.id)
+    result = pending.get(timeout=120)
     listener.join(30)
     assert result["status"] == "completed"
     seqs = [e.seq for e in live]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), f"gaps or disorder: {seqs}"
-    kinds = {e.type for e in live}
+    kinds = {e.type for e in live if e.task_id == pending.id}
     assert {"stats", "log", "state"} <= kinds
-    stats = [e for e in live if e.type == "stats"]
+    stats = [e for e in live if e.type == "stats" and e.task_id == pending.id]
     assert [e.data["step"] for e in stats] == [0, 1, 2, 3, 4] and all(e.round == 3 for e in stats)
     # A late subscriber replays exactly what the live one saw.
     replayed = [e for e in client.events("w1", since=seqs[0] - 1, idle_timeout_s=0.5) if e.seq <= seqs[-1]]
