@@ -23,8 +23,11 @@ need_command bwrap bubblewrap
 need_command ip iproute2
 need_command tc iproute2
 need_command unshare util-linux
-ldconfig -p | grep -q 'libseccomp\.so\.2 ' || apt_install libseccomp2
-ldconfig -p | grep -q 'libseccomp\.so\.2 ' || fail "libseccomp.so.2 is still missing"
+# grep reads it all (not -q): with pipefail, an early exit of grep -q SIGPIPEs ldconfig and
+# the pipeline fails although the library is there (a red CI run saw it).
+has_seccomp() { ldconfig -p | grep 'libseccomp\.so\.2 ' > /dev/null; }
+has_seccomp || apt_install libseccomp2
+has_seccomp || fail "libseccomp.so.2 is still missing"
 tls_redis() { "$PY" -c "from tasks.embedded_redis import tls_binary; raise SystemExit(tls_binary() is None)"; }
 tls_redis 2>/dev/null || { apt_install redis-server; systemctl disable --now redis-server >/dev/null 2>&1 || true; }
 tls_redis || fail "no redis-server with TLS (Redis 7) after installing redis-server"
