@@ -220,7 +220,7 @@ def test_events_arrive_in_order_without_gaps_and_replay(worker, artifacts, clien
     started = threading.Event()
 
     def listen() -> None:
-        stream = client.events("w1", since=event_seq(client, "w1"), idle_timeout_s=8)
+        stream = client.events("w1", since=event_seq(client, "w1"), idle_timeout_s=60)  # a slow start
         started.set()
         for event in stream:
             live.append(event)
