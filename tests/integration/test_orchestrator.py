@@ -19,20 +19,10 @@ from orchestrator.phases import PHASES
 from settings import Settings
 from tasks.client import RoundClient
 from tests.support.redis_server import RedisServer, free_port
-from tests.support.rounds import event_seq, wait_for_log
+from tests.support.rounds import SLOW_ON_CUE, event_seq, wait_for_log
 from tests.support.worker import WorkerProcess
 
 pytestmark = pytest.mark.timeout(300)
-
-SLOW_ON_CUE = (
-    """
-if params.get("slow_host") == host_id and round_num == params.get("slow_round"):
-    emit_log("slow round started")
-    while True:
-        should_stop()
-"""
-    + TRAIN
-)
 
 
 @pytest.fixture(scope="module")

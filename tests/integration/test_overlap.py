@@ -27,21 +27,12 @@ from tasks.overlap import SyncOrder
 from tasks.trust.keys import init_keys
 from tasks.trust.signing import Signer, sync_token
 from tests.support.redis_server import RedisServer
-from tests.support.rounds import event_seq, wait_for_log
+from tests.support.rounds import SLOW_ON_CUE, event_seq, wait_for_log
 from tests.support.worker import WorkerProcess
 
 pytestmark = pytest.mark.timeout(400)
 
 HOSTS = ["ov-a", "ov-b"]
-SLOW_ON_CUE = (
-    """
-if params.get("slow_host") == host_id and round_num == params.get("slow_round"):
-    emit_log("slow round started")
-    while True:
-        should_stop()
-"""
-    + TRAIN
-)
 
 
 @pytest.fixture(scope="module")

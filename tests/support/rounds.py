@@ -11,6 +11,7 @@ from typing import Any
 from celery.result import AsyncResult
 from kombu import Connection
 
+from orchestrator.demo import TRAIN
 from settings import Settings
 from settings.celery import celery_config
 from tasks.client import RoundClient
@@ -19,6 +20,18 @@ from tasks.names import seq_key, unacked_keys
 
 # plain revoke, revoke with terminate (SIGUSR2), RoundClient.stop
 STOP_PATHS = ("revoke", "terminate", "client")
+
+# The demo's training script, but the host ``params["slow_host"]`` spins in round
+# ``params["slow_round"]`` until it is stopped (and says so in its log first).
+SLOW_ON_CUE = (
+    """
+if params.get("slow_host") == host_id and round_num == params.get("slow_round"):
+    emit_log("slow round started")
+    while True:
+        should_stop()
+"""
+    + TRAIN
+)
 
 
 def event_seq(client: RoundClient, host: str) -> int:
