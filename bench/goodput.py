@@ -10,14 +10,16 @@ busy = compute time / wall time, over the steady-state rounds of a real run:
 - the reference orchestrator (:class:`orchestrator.diloco.Orchestrator`) in this process,
   a model of M MB of fp32 tensors, ``--rounds`` rounds;
 - a tenant that **simulates** T s of GPU compute per round (``--compute-s``): this machine
-  has no GPU, so the script sleeps T s with the host's CPU free, then perturbs every weight
-  with seeded noise (a delta of random low bits, which no compressor shrinks much) and saves
-  the state. The perturbation is the tenant's CPU time, not compute: it is its own bar
-  ("tenant save"). ``--tenant mlp`` trains the demo's MLP instead (real, tiny compute).
+  has no GPU, so the script loads its start state, then spends T s "computing": it perturbs
+  every weight with seeded noise (a delta of random low bits, which no compressor shrinks
+  much; on a GPU host the weights change on the GPU during the compute) and sleeps the rest
+  of T with the host's CPU free, then saves the state. Its load and save are the tenant's
+  round trip, not compute: their own bar ("tenant load/save"). ``--tenant mlp`` trains the
+  demo's MLP instead (real, tiny compute).
 
 GPU busy per host = T × its completed steady rounds / the steady rounds' wall time (the first
 round is left out: the runners' first start). The loop's phases per round, medians over the
-steady rounds: the workers' own (compute, tenant save, delta write, upload: the slowest host's)
+steady rounds: the workers' own (compute, tenant load/save, delta write, upload: the slowest host's)
 and the orchestrator's (dispatch, the fold left after the last result, outer step, sync build,
 publish, apply: the whole sync, every host's apply in it); "other" is the rest of the round's
 wall time (task hand-offs, results through the backend).
@@ -66,19 +68,21 @@ from tests.support.worker import TEST_ENV
 
 TENSOR_ELEMENTS = 4 << 20  # 16 MiB of fp32 per tensor
 
-# Simulated compute (see the module docstring): T s asleep, then every weight nudged and saved.
+# Simulated compute (see the module docstring): the start state loaded, T s of "compute" (every
+# weight nudged, the rest of T asleep), the state saved.
 SLEEP_TENANT = """
 import time
-time.sleep(float(params["compute_s"]))
 state = load_model(model_path)
+computing = time.monotonic()
 noise = torch.Generator().manual_seed(int(params["seed"]) * 7919 + round_num)
 for tensor in state.values():
     tensor.add_(torch.randn(tensor.shape, generator=noise), alpha=1e-3)
+time.sleep(max(0.0, float(params["compute_s"]) - (time.monotonic() - computing)))
 save_model(state)
 save_report({"compute_s": float(params["compute_s"])})
 """
 
-WORKER_SIDE = ("compute", "tenant save", "delta write", "upload", "sync wait", "rebase")
+WORKER_SIDE = ("compute", "tenant load/save", "delta write", "upload", "sync wait", "rebase")
 ORCHESTRATOR_SIDE = ("dispatch", "fold", "outer", "sync_build", "publish", "apply")
 
 
@@ -196,7 +200,7 @@ def round_phases(summary: RoundSummary, compute_s: float) -> dict[str, float]:
     training = max((h.get("training", 0.0) for h in hosts), default=0.0)
     out = {
         "compute": min(compute_s, training),
-        "tenant save": max(0.0, training - compute_s),
+        "tenant load/save": max(0.0, training - compute_s),
         "delta write": max((h.get("delta_write", 0.0) for h in hosts), default=0.0),
         # Overlapped: the PUT runs beside the next round; what is idle is waiting for the last one.
         "upload": max((h.get("upload", 0.0) + h.get("upload_wait", 0.0) for h in hosts), default=0.0),

@@ -30,6 +30,7 @@ from executor.errors import CleanupFailed, InvalidRequest
 from executor.fileio import own_dir, remove_tree
 from executor.results import ApplyOutcome, ExecutorState, LoadResult, RoundResult
 from executor.rounds import RoundSpec
+from executor.sandbox import ResultState
 from executor.session import LoadRequest, RoundRequest, Session, SessionKeeper, SyncRequest
 from executor.shards import ShardCache
 from settings import Settings, get_settings
@@ -109,7 +110,10 @@ class Executor:
 
     @property
     def modified_state(self) -> dict[str, torch.Tensor] | None:
-        return self._player.trained
+        trained = self._player.trained
+        if trained is not None and not isinstance(trained, dict):  # the seed's callers get a dict
+            trained = self._player.trained = dict(trained)
+        return trained
 
     @modified_state.setter
     def modified_state(self, state: dict[str, torch.Tensor] | None) -> None:
@@ -250,7 +254,11 @@ class Executor:
             delta_format = self.config.session.quant.delta_format(delta_dtype or "float16")
             request = request.shipping_to(delta_url, delta_format)
         trained, self._player.trained = self._player.trained, None
-        result = self._keeper.finish(request, self._player.outcome, trained, self._parts.budget.dropped())
+        try:
+            result = self._keeper.finish(request, self._player.outcome, trained, self._parts.budget.dropped())
+        finally:
+            if isinstance(trained, ResultState):
+                trained.close()  # the runner's result file, held open until its delta was written
         # The stop was aimed at the round that just ended; the next sync must not inherit it.
         self._parts.stop.clear()
         return result

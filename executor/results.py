@@ -66,6 +66,8 @@ class DeltaInfo:
     upload_s: float = 0.0
     # An overlapped round's: PUT beside the next round, its end reported in the heartbeat.
     deferred: bool = False
+    # False: the file at ``path`` is plain safetensors, framed with zstd by its upload (not reported).
+    compressed: bool = True
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}

@@ -9,6 +9,7 @@
     incoming/                     downloads in progress (resumable .partial files)
     incoming/staging/             a model or bundle checked here before it replaces model/'s
     deltas/round-N.safetensors.zst  a round's delta when no upload URL was given
+    deltas/round-N.safetensors      an overlapped round's, plain until its upload frames it
     delta-residual.safetensors    error feedback of quantised deltas
     results/<task id>.json        the tasks' recorded results (redelivery: tasks/rounds.py)
     sandbox/, sandbox-spare/      the sandboxed runner's and the spare's (inside: ro/, task/;
@@ -96,8 +97,8 @@ class SessionDir:
     def model_offload(self) -> str:
         return self._in("model-offload")
 
-    def round_delta(self, round_num: int) -> str:
-        return os.path.join(self.deltas, f"round-{round_num}.safetensors.zst")
+    def round_delta(self, round_num: int, *, compressed: bool = True) -> str:
+        return os.path.join(self.deltas, f"round-{round_num}.safetensors" + (".zst" if compressed else ""))
 
     def result(self, task_id: str) -> str:
         """A task's recorded result (a task id is the client's: no separator survives)."""

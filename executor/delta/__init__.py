@@ -3,7 +3,8 @@
 ``state_hash`` / ``file_state_hash`` (the hash both sides agree on), ``make_sync_delta``
 (the orchestrator's builder), ``write_delta`` / ``read_delta`` (the wire format, both
 directions), ``apply_sync_delta`` (the worker's one-pass streaming apply) and
-``write_result_delta`` (a round's ``trained - original``). Every decode has a cap known
+``write_result_delta`` (a round's ``trained - original``; ``compress_delta`` frames one
+written plain). Every decode has a cap known
 before it starts (DESIGN §11): ``max_delta_bytes`` of the model a delta belongs to, and
 ``zstd_bound`` of that for the compressed file's download.
 
@@ -51,7 +52,13 @@ from executor.delta._sync import (
     result_dtype,
     state_hash,
 )
-from executor.delta._wire import DEFAULT_MAX_DELTA_BYTES, read_delta, write_delta, write_result_delta
+from executor.delta._wire import (
+    DEFAULT_MAX_DELTA_BYTES,
+    compress_delta,
+    read_delta,
+    write_delta,
+    write_result_delta,
+)
 
 __all__ = [
     "DEFAULT_MAX_DELTA_BYTES",
@@ -69,6 +76,7 @@ __all__ = [
     "apply_sync_delta",
     "apply_sync_delta_state",
     "check_scheme",
+    "compress_delta",
     "delta_format",
     "dequantize",
     "file_state_hash",

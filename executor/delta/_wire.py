@@ -11,9 +11,11 @@ in the same format, streaming the original from the model file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +29,12 @@ from executor.delta._qlayout import decode_all, parse_layout
 from executor.delta._quant import DeltaFormat, QuantizedDelta, QuantScheme
 from executor.delta._qwire import trained_keys, write_quantized, write_quantized_result
 from executor.delta._sync import HASH_PREFIX, hash_entry_header, is_floating
-from executor.errors import BadArtifact
+from executor.errors import BadArtifact, DownloadAborted
 from executor.fileio import atomic_writer
 from executor.tensorfile import StreamWriter, dtype_name, read_header, read_tensor, tensor_bytes
 
 ZSTD_LEVEL = 3
+COMPRESS_CHUNK_BYTES = 8 << 20
 # read_delta's default cap: a 16-bit trained delta (the default dtype) of any model a worker accepts
 # by default (ROUNDHOUSE_MAX_MODEL_MB, 64 GiB of at least 2 bytes an element), with room for its header.
 DEFAULT_MAX_DELTA_BYTES = 65 << 30
@@ -45,6 +48,9 @@ class DeltaFile:
     hash: str
     dtype: str
     keys: int
+    # False: plain safetensors (``write_result_delta(compress=False)``), for
+    # :func:`compress_delta` to frame before it is shipped.
+    compressed: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}
@@ -138,6 +144,7 @@ def write_result_delta(
     *,
     dtype: DeltaFormat = torch.float16,
     feedback: ResidualUpdate | None = None,
+    compress: bool = True,
 ) -> DeltaFile:
     """``trained - original`` for every floating key of the model file, cast, as a delta file.
 
@@ -146,6 +153,10 @@ def write_result_delta(
     A shape change is a ``ValueError`` (the caller reports it as the user's error).
     A :class:`QuantScheme` quantises each key as it is written, adding ``feedback``'s
     previous residual first and staging the next one (error feedback).
+
+    ``compress=False`` writes a float delta as plain safetensors (an overlapped round's: its
+    zstd pass runs beside the next round, :func:`compress_delta`); a quantised one is always
+    framed (its codes are packed as they are written).
     """
     if isinstance(dtype, QuantScheme):
         digest, keys = write_quantized_result(original_path, trained, path, dtype, _compressor(), feedback)
@@ -158,8 +169,14 @@ def write_result_delta(
         entries = [(n, dtype, header.specs[n].shape) for n in names]
         total = StreamWriter(io.BytesIO(), entries).total_bytes
         hasher = hashlib.sha256()
-        with atomic_writer(path) as raw, _compressor().stream_writer(raw, size=total, closefd=False) as zf:
-            writer = StreamWriter(zf, entries)
+        with contextlib.ExitStack() as stack:
+            raw = stack.enter_context(atomic_writer(path))
+            sink = (
+                stack.enter_context(_compressor().stream_writer(raw, size=total, closefd=False))
+                if compress
+                else raw
+            )
+            writer = StreamWriter(sink, entries)
             writer.write_header()
             for name in names:
                 original = read_tensor(file, header, header.specs[name])
@@ -169,4 +186,23 @@ def write_result_delta(
                 data = tensor_bytes(diff)
                 hasher.update(data)
                 writer.write(data)
-    return DeltaFile(os.path.getsize(path), HASH_PREFIX + hasher.hexdigest(), dtype_name(dtype), len(names))
+    digest = HASH_PREFIX + hasher.hexdigest()
+    return DeltaFile(os.path.getsize(path), digest, dtype_name(dtype), len(names), compressed=compress)
+
+
+def compress_delta(raw_path: str, path: str, abort: threading.Event | None = None) -> int:
+    """Frame a plain safetensors delta (``write_result_delta(compress=False)``) as the wire's
+    zstd one, atomically; the bytes written. ``abort`` is checked between chunks
+    (``DownloadAborted``: the caller's stop). The state hash is the content's, so it does not
+    change."""
+    size = os.path.getsize(raw_path)
+    with (
+        open(raw_path, "rb") as source,
+        atomic_writer(path) as out,
+        _compressor().stream_writer(out, size=size, closefd=False) as zf,
+    ):
+        while chunk := source.read(COMPRESS_CHUNK_BYTES):
+            if abort is not None and abort.is_set():
+                raise DownloadAborted("the delta's compression was stopped")
+            zf.write(chunk)
+    return os.path.getsize(path)

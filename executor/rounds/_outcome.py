@@ -33,7 +33,7 @@ class RoundOutcome:
 
     stopped: bool
     error: ErrorInfo | None
-    trained: dict[str, torch.Tensor] | None
+    trained: Mapping[str, torch.Tensor] | None
     report: dict[str, Any] | None
     training_time: float
 

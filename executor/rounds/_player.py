@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -33,7 +34,7 @@ class RoundPlayer:
         self.thread: DoneThread | None = None
         self.outcome: RoundOutcome | None = None
         # The seed's ``modified_state``: the trained state until the round's delta is shipped.
-        self.trained: dict[str, torch.Tensor] | None = None
+        self.trained: Mapping[str, torch.Tensor] | None = None
 
     @property
     def running(self) -> bool:
@@ -56,7 +57,8 @@ class RoundPlayer:
             outcome = RoundOutcome.failed(failure(exc), time.monotonic() - started)
         self._runner.replenish()  # a round that replaced a killed runner took the spare
         self.trained = outcome.trained
-        self.outcome = replace(outcome, report=self._budget.report(outcome.report))
+        # The outcome kept for the result does not hold the trained state: it goes with the delta.
+        self.outcome = replace(outcome, trained=None, report=self._budget.report(outcome.report))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until tenant code finishes (or ``timeout_s`` passes); True when it has."""

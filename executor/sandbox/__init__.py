@@ -11,7 +11,7 @@
   limits, frozen between rounds, strays killed; ``_groups``: whose group is whose, and
   reclaiming what dead workers left), the runner's process and its whole-life
   frame reader (``_process``), the trained state read by descriptor (``_result``:
-  ``read_result``);
+  ``read_result``, a ``ResultState`` read key by key);
 - the supervisor (``_supervisor``, the worker's side: start, rounds, shards, watchdog), the
   spare (``_spare``: a runner started while the worker is idle, adopted by the next session),
   and the runner (``_runner``, the child's side, run as ``python -m executor.sandbox``:
@@ -26,7 +26,7 @@ imports all three;
 
 from executor.sandbox._launch import SandboxConfig, bwrap_works, resolve_mode
 from executor.sandbox._protocol import MAX_FRAME_BYTES, RoundRequest, checked_error, read_frame
-from executor.sandbox._result import read_result
+from executor.sandbox._result import ResultState, read_result
 from executor.sandbox._sandboxed import SandboxedRunner, end_sandboxes
 from executor.sandbox._seccomp import AARCH64, X86_64, build_filter
 
@@ -34,6 +34,7 @@ __all__ = [
     "AARCH64",
     "MAX_FRAME_BYTES",
     "X86_64",
+    "ResultState",
     "RoundRequest",
     "SandboxConfig",
     "SandboxedRunner",

@@ -2,12 +2,12 @@
 
 The runner names its result file in its ``complete`` message; the worker opens it with
 ``openat`` and ``O_NOFOLLOW`` at every step, checks by ``fstat`` that it is a regular file
-with one link within a size derived from the model, and reads it only through that
-descriptor — so a tenant can spoil only its own result, never make the worker read or
-write anything else. The task dir's size (the disk quota) is measured without following
-links or recursing (:func:`executor.fileio.walk_tree`), and fails closed: an absurd number
-of entries, a tree nested deeper than the walk descends, or one it cannot read counts as
-over quota.
+with one link within a size derived from the model, unlinks it, and reads it only through
+that descriptor, key by key as the round's delta is written (``ResultState``) — so a tenant
+can spoil only its own result, never make the worker read or write anything else. The
+task dir's size (the disk quota) is measured without following links or recursing
+(:func:`executor.fileio.walk_tree`), and fails closed: an absurd number of entries, a tree
+nested deeper than the walk descends, or one it cannot read counts as over quota.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ import contextlib
 import os
 import re
 import stat
+import weakref
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from executor.errors import RoundhouseError, SandboxProtocolError, map_exceptions
 from executor.fileio import walk_tree
-from executor.tensorfile import MAX_HEADER_BYTES, header_length, read_header, read_tensor
+from executor.tensorfile import MAX_HEADER_BYTES, Header, header_length, read_header, read_tensor
 
 RESULT_NAME = re.compile(r"^result-[A-Za-z0-9-]{1,64}\.safetensors$")
 MIN_RESULT_BYTES = 1024 * 1024 * 1024
@@ -48,15 +50,46 @@ def result_header_limit(model_path: str) -> int:
     return min(MAX_HEADER_BYTES, 2 * model_header + RESULT_HEADER_SLACK_BYTES)
 
 
+class ResultState(Mapping[str, torch.Tensor]):
+    """The runner's trained state, each key read through the result's one descriptor when it is
+    asked for (a round's delta reads each key once, in turn): no model-sized copy is made and
+    held whole before the delta's pass starts. The file itself is already unlinked; ``close``
+    (or dropping the state) closes the descriptor. Every entry lies within the file (its header
+    was checked against the file's size); a read that still comes up short is the runner's
+    protocol error."""
+
+    def __init__(self, fd: int, header: Header) -> None:
+        self._file = os.fdopen(fd, "rb")
+        self._header = header
+        self._closer = weakref.finalize(self, self._file.close)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        spec = self._header.specs[name]
+        try:
+            return read_tensor(self._file, self._header, spec)
+        except (RoundhouseError, OSError, ValueError) as exc:
+            raise SandboxProtocolError(f"result file cannot be read: {exc}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._header.specs)
+
+    def __len__(self) -> int:
+        return len(self._header.specs)
+
+    def close(self) -> None:
+        self._closer()
+
+
 def read_result(
     task_dir: str, name: str, max_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES
-) -> dict[str, torch.Tensor]:
+) -> ResultState:
     """The runner's trained state, read through one descriptor that cannot be redirected;
-    its header no longer than ``max_header_bytes`` (:func:`result_header_limit`)."""
+    its header no longer than ``max_header_bytes`` (:func:`result_header_limit`). The file is
+    unlinked at once; its tensors are read when asked for (:class:`ResultState`)."""
     if not RESULT_NAME.match(name):
         raise SandboxProtocolError("runner named an invalid result file")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    dir_fd = out_fd = -1
+    dir_fd = out_fd = fd = -1
     unsafe = {
         OSError: lambda exc: SandboxProtocolError(f"result file cannot be opened safely: {exc.strerror}")
     }
@@ -66,9 +99,8 @@ def read_result(
             out_fd = os.open("out", flags | os.O_DIRECTORY, dir_fd=dir_fd)
             fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=out_fd)
     finally:
-        for opened in (dir_fd,):
-            if opened >= 0:
-                os.close(opened)
+        if dir_fd >= 0:
+            os.close(dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -81,11 +113,13 @@ def read_result(
         with os.fdopen(fd, "rb", closefd=False) as file:
             try:
                 header = read_header(file, max_header_bytes)
-                return {name: read_tensor(file, header, spec) for name, spec in header.specs.items()}
             except RoundhouseError as exc:
                 raise SandboxProtocolError(f"result file is not a valid state: {exc.message}") from None
+        state, fd = ResultState(fd, header), -1  # the state owns the descriptor now
+        return state
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=out_fd)
         os.close(out_fd)

@@ -27,7 +27,7 @@ from executor.rounds import RoundOutcome, RoundRunner, round_result
 from executor.session._loading import LoadPipeline
 from executor.session._manifest import read_manifest, write_manifest
 from executor.session._model import ModelFiles, ModelLimits
-from executor.session._overlap import Overlap
+from executor.session._overlap import KeptDelta, Overlap
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._shipping import ship_delta
 from executor.session._state import Session
@@ -189,7 +189,9 @@ class SessionKeeper:
         )
         if request.overlap is None or info.path is None:
             return info
-        self.overlap.keep(info.path, request.delta_url, info.hash, request.spec.round_num)
+        self.overlap.keep(
+            KeptDelta(info.path, request.delta_url, info.hash, request.spec.round_num, info.compressed)
+        )
         return replace(info, path=None)  # the work dir's own copy, for the rebase: not reported
 
     def sync(self, request: SyncRequest) -> ApplyOutcome:

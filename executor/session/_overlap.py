@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from executor import transfer
-from executor.delta import apply_rule, max_delta_bytes, read_delta, result_dtype
+from executor.delta import apply_rule, compress_delta, max_delta_bytes, read_delta, result_dtype
 from executor.errors import ErrorInfo, HashMismatch, InvalidRequest, error_info
 from executor.fileio import atomic_writer, remove_quietly
 from executor.stopping import DoneThread
-from executor.tensorfile import StreamWriter, iter_tensors, read_header, tensor_bytes
+from executor.tensorfile import StreamWriter, iter_tensors, load_state, read_header, tensor_bytes
 from executor.urls import Url
 
 WORKING_NAME = "working.safetensors"
@@ -108,11 +108,16 @@ class WorkingCopy:
         *,
         gain: float = 1.0,
         correction: Mapping[str, torch.Tensor] | None = None,
+        compressed: bool = True,
     ) -> None:
         """W = G + gain * the shipped delta + ``correction``, key by key (G streamed, the delta
-        held: it is the small one)."""
+        held: it is the small one). ``compressed`` False: the delta is this worker's own plain
+        safetensors file (no zstd frame to decode on the round's critical path)."""
         self.drop()
-        delta = read_delta(delta_path, max_bytes=max_delta_bytes(global_path), allow_torch=False)
+        if compressed:
+            delta = read_delta(delta_path, max_bytes=max_delta_bytes(global_path), allow_torch=False)
+        else:
+            delta = load_state(delta_path)
         if gain != 1.0 or correction:
             delta = {key: _eager(value, gain, (correction or {}).get(key)) for key, value in delta.items()}
         with open(global_path, "rb") as source:
@@ -140,40 +145,59 @@ def _eager(delta: torch.Tensor, gain: float, correction: torch.Tensor | None) ->
     return out
 
 
+@dataclass(frozen=True)
+class KeptDelta:
+    """An overlapped round's delta file, from its write to its hand-off to the upload
+    (``compressed`` False: plain safetensors, framed by the upload)."""
+
+    path: str
+    url: Url | None
+    delta_hash: str
+    round_num: int
+    compressed: bool = True
+
+
 class DeferredUpload:
-    """An overlapped round's delta, PUT while the next round trains (so the GPU does not wait
-    on the link). Its own stop: the next round's stop does not cancel it; a reset, a load or
-    a sequential round does. The file is removed once the upload has ended, either way."""
+    """An overlapped round's delta, framed (a plain one) and PUT while the next round trains
+    (so the GPU waits on neither the compressor nor the link). Its own stop: the next round's
+    stop does not cancel it; a reset, a load or a sequential round does. Its files are
+    removed once the upload has ended, either way."""
 
     def __init__(
         self,
-        path: str,
+        kept: KeptDelta,
         url: Url,
         *,
-        round_num: int,
-        delta_hash: str,
         config: transfer.TransferConfig,
         on_done: Callable[[], None],
     ) -> None:
-        self.round_num, self.delta_hash = round_num, delta_hash
+        self.round_num, self.delta_hash = kept.round_num, kept.delta_hash
         self.state = "running"
         self.error: ErrorInfo | None = None
         self.seconds = 0.0
-        self._path, self._url, self._config, self._on_done = path, url, config, on_done
+        self.bytes = 0
+        self._kept, self._url, self._config, self._on_done = kept, url, config, on_done
         self._abort = threading.Event()
         self._thread = DoneThread(self._run, "roundhouse-delta-upload")
         self._thread.start()
 
     def _run(self) -> None:
         started = time.monotonic()
+        path = self._kept.path
         try:
-            transfer.upload(self._path, self._url, config=self._config, abort=self._abort)
+            if not self._kept.compressed:
+                path = self._kept.path + ".zst"
+                self.bytes = compress_delta(self._kept.path, path, self._abort)
+            else:
+                self.bytes = os.path.getsize(path)
+            transfer.upload(path, self._url, config=self._config, abort=self._abort)
             self.state = "done"
         except Exception as exc:  # reported in the heartbeat: the orchestrator leaves the delta out
             self.error, self.state = error_info(exc), "failed"
         finally:
             self.seconds = time.monotonic() - started
-            remove_quietly(self._path)
+            remove_quietly(self._kept.path)
+            remove_quietly(path)
             self._on_done()
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -185,20 +209,10 @@ class DeferredUpload:
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"round": self.round_num, "hash": self.delta_hash, "state": self.state}
-        out["seconds"] = round(self.seconds, 6)
+        out.update(seconds=round(self.seconds, 6), bytes=self.bytes)
         if self.error is not None:
             out["error"] = self.error.to_json()
         return out
-
-
-@dataclass(frozen=True)
-class KeptDelta:
-    """An overlapped round's delta file, from its write to its hand-off to the upload."""
-
-    path: str
-    url: Url | None
-    delta_hash: str
-    round_num: int
 
 
 class Overlap:
@@ -232,9 +246,9 @@ class Overlap:
         self.gain, self.correction = spec.gain, None
         return self.working.path if self.working.usable(global_hash) else None
 
-    def keep(self, path: str, url: Url | None, delta_hash: str, round_num: int) -> None:
+    def keep(self, kept: KeptDelta) -> None:
         self.drop_kept()
-        self.kept = KeptDelta(path, url, delta_hash, round_num)
+        self.kept = kept
 
     def rebase(self, global_path: str, global_hash: str, completed: bool) -> bool:
         """W = G + the kept delta (``completed``: the round shipped it and G is the model the next
@@ -243,7 +257,10 @@ class Overlap:
         if not completed or self.kept is None:
             self.working.drop()
             return False
-        self.working.rebase(global_path, global_hash, self.kept.path, gain=self.gain, correction=correction)
+        self.working.rebase(
+            global_path, global_hash, self.kept.path, gain=self.gain, correction=correction,
+            compressed=self.kept.compressed,
+        )  # fmt: skip
         return True
 
     def hand_off(self, on_done: Callable[[], None]) -> float:
@@ -255,12 +272,7 @@ class Overlap:
         waited = time.monotonic() - started
         kept, self.kept = self.kept, None
         if kept is not None and kept.url is not None:
-            self.uploads.append(
-                DeferredUpload(
-                    kept.path, kept.url, round_num=kept.round_num, delta_hash=kept.delta_hash,
-                    config=self._transfer, on_done=on_done,
-                )
-            )  # fmt: skip
+            self.uploads.append(DeferredUpload(kept, kept.url, config=self._transfer, on_done=on_done))
         elif kept is not None:
             remove_quietly(kept.path)
         return waited

@@ -39,24 +39,31 @@ def ship_delta(
 ) -> DeltaInfo:
     """Write the trained delta (a zero delta when nothing was saved) and upload it; ``defer``
     (an overlapped round): written only, its ``path`` returned, for the rebase and the upload
-    that runs beside the next round (``executor.session._overlap.DeferredUpload``)."""
+    that runs beside the next round (``executor.session._overlap.DeferredUpload``), a float
+    delta as plain safetensors (the upload frames it: ``compressed`` False, ``bytes`` the plain
+    file's)."""
     dirs = SessionDir(work_dir)
     os.makedirs(dirs.deltas, exist_ok=True)
-    path = dirs.round_delta(request.spec.round_num)
     dtype, delta_url = request.delta_format, request.delta_url
+    # Deferred, a float delta is written plain: its zstd pass runs beside the next round too.
+    plain = defer and not isinstance(dtype, QuantScheme)
+    path = dirs.round_delta(request.spec.round_num, compressed=not plain)
     feedback = ErrorFeedback(work_dir) if isinstance(dtype, QuantScheme) and error_feedback else None
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         residual = stack.enter_context(feedback.next_round()) if feedback is not None else None
         with map_exceptions({}, where="the work dir (trained delta)"):
-            written = write_result_delta(model_path, trained or {}, path, dtype=dtype, feedback=residual)
+            written = write_result_delta(
+                model_path, trained or {}, path, dtype=dtype, feedback=residual, compress=not plain
+            )
             if (defer or not delta_url) and residual is not None:
                 # Kept in the work dir, or handed to an upload beside the next round, whose own
                 # delta is cut before that upload ends: counted as delivered once written.
                 residual.commit()
         info = DeltaInfo(
-            written.bytes, written.hash, written.dtype, written.keys, write_s=time.monotonic() - started
-        )
+            written.bytes, written.hash, written.dtype, written.keys, write_s=time.monotonic() - started,
+            compressed=written.compressed,
+        )  # fmt: skip
         if not delta_url:
             return replace(info, path=path)
         if defer:

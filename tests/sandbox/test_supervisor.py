@@ -17,6 +17,7 @@ from executor.sandbox import (
     AARCH64,
     MAX_FRAME_BYTES,
     X86_64,
+    ResultState,
     build_filter,
     checked_error,
     read_frame,
@@ -45,6 +46,30 @@ def test_a_regular_result_is_read_and_removed(task: Path) -> None:
     path = good(task)
     state = read_result(str(task), path.name, 1 << 20)
     assert torch.equal(state["w"], torch.ones(3)) and not path.exists()
+
+
+def test_the_state_is_read_key_by_key_through_its_descriptor_until_closed(task: Path) -> None:
+    path = task / "out" / "result-1.safetensors"
+    with open(path, "wb") as file:
+        write_state(file, {"a": torch.ones(3), "b": torch.zeros(2)})
+    before = len(os.listdir("/proc/self/fd"))
+    state = read_result(str(task), path.name, 1 << 20)
+    assert isinstance(state, ResultState) and not path.exists()  # unlinked at once: held by its fd
+    assert sorted(state) == ["a", "b"] and len(state) == 2
+    assert torch.equal(state["b"], torch.zeros(2)) and torch.equal(state["a"], torch.ones(3))
+    assert len(os.listdir("/proc/self/fd")) == before + 1
+    state.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    with pytest.raises(SandboxProtocolError):
+        state["a"]
+
+
+def test_a_result_shorter_than_its_header_says_is_refused_unread(task: Path) -> None:
+    path = good(task)
+    os.truncate(path, path.stat().st_size - 4)
+    with pytest.raises(SandboxProtocolError, match="truncated"):
+        read_result(str(task), path.name, 1 << 20)
+    assert not path.exists()
 
 
 @pytest.mark.parametrize(
