@@ -56,7 +56,7 @@ class DeltaInfo:
     """The trained delta of a round: uploaded to ``url`` or kept at ``path``."""
 
     bytes: int
-    hash: str
+    hash: str | None  # None: an overlapped round's, made beside the next round (in the heartbeat)
     dtype: str
     keys: int
     url: str | None = None
@@ -66,7 +66,7 @@ class DeltaInfo:
     upload_s: float = 0.0
     # An overlapped round's: PUT beside the next round, its end reported in the heartbeat.
     deferred: bool = False
-    # False: the file at ``path`` is plain safetensors, framed with zstd by its upload (not reported).
+    # False: written plain, framed with zstd by its upload (``bytes``: the plain file's).
     compressed: bool = True
 
     def to_json(self) -> dict[str, Any]:

@@ -154,9 +154,10 @@ class DeltaFolder:
         self._lock = threading.Lock()
         self._decoded = 0
         self.peak_decoded = 0  # the most deltas decoded at once (tests check the bound)
-        # Overlapped rounds: deltas whose upload runs beside the next round, host -> (name, hash),
-        # submitted once the upload is reported done (orchestrator.overlap.await_uploads).
-        self.deferred: dict[str, tuple[str, str]] = {}
+        # Overlapped rounds: deltas whose upload runs beside the next round, host -> (name, round,
+        # the result's hash: None when the upload reports it), submitted once the upload is
+        # reported done (orchestrator.overlap.await_uploads).
+        self.deferred: dict[str, tuple[str, int, str | None]] = {}
 
     def submit(self, host: str, name: str, expected_hash: str) -> None:
         if host in self._futures:

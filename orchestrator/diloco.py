@@ -253,10 +253,13 @@ class Orchestrator:
             if outcome.completed and outcome.result is not None:
                 delta, name = outcome.result["delta"], self.delta_name(round_num, outcome.host)
                 if isinstance(delta, dict) and delta.get("upload") == "deferred":
+                    # Hashed and PUT beside the next round: the hash comes with the upload's report.
+                    reported = delta.get("hash")
                     folder.deferred[outcome.host] = (
                         name,
-                        str(delta.get("hash")),
-                    )  # PUT beside the next round
+                        round_num,
+                        reported if isinstance(reported, str) else None,
+                    )
                 else:
                     folder.submit(outcome.host, name, delta["hash"])
 

@@ -246,7 +246,8 @@ class OverlappedLoop:
 
 
 UPLOAD_POLL_S = 0.05
-UPLOAD_UNREPORTED_S = 10.0  # a delta no heartbeat mentions for this long is not coming
+UPLOAD_UNREPORTED_S = 10.0
+MAX_HASH_CHARS = 200  # a delta no heartbeat mentions for this long is not coming
 
 
 def await_uploads(
@@ -255,19 +256,22 @@ def await_uploads(
     bound_s: float,
 ) -> None:
     """Hand ``folder`` each deferred delta once its host's heartbeat reports the upload done
-    (``uploads`` in the beat); refuse it when the upload failed, the host is lost, no beat
-    mentions it for ``UPLOAD_UNREPORTED_S`` (its worker restarted: the upload died with it), or
-    ``bound_s`` passed. A beat is the worker's word: it decides only that host's delta."""
+    (``uploads`` in the beat, matched by round), with the hash the report gives where the result
+    had none (the worker hashes such a delta beside the next round); refuse it when the upload
+    failed, the host is lost, no beat mentions it for ``UPLOAD_UNREPORTED_S`` (its worker
+    restarted: the upload died with it), or ``bound_s`` passed. A beat is the worker's word, as
+    its result is: it decides only that host's delta, whose hash is checked once fetched."""
     unreported: dict[str, float] = {}
     until = time.monotonic() + bound_s
     while folder.deferred:
         beats, now = alive(list(folder.deferred)), time.monotonic()
-        for host, (name, delta_hash) in list(folder.deferred.items()):
+        for host, (name, round_num, delta_hash) in list(folder.deferred.items()):
             beat = beats.get(host)
             reports = beat.get("uploads") if isinstance(beat, Mapping) else None
             report = next(
-                (r for r in reports or [] if isinstance(r, Mapping) and r.get("hash") == delta_hash), None
+                (r for r in reports or [] if isinstance(r, Mapping) and r.get("round") == round_num), None
             )
+            reported = report.get("hash") if report is not None else None
             if beat is None:
                 why: str | None = "lost before its delta's upload was reported"
             elif report is None:
@@ -275,7 +279,10 @@ def await_uploads(
                 why = "its delta's upload is not reported" if now - since > UPLOAD_UNREPORTED_S else None
             elif report.get("state") == "done":
                 del folder.deferred[host]
-                folder.submit(host, name, delta_hash)
+                if not _a_hash(reported) or (delta_hash is not None and reported != delta_hash):
+                    folder.refuse(host, "its delta's upload reports no hash, or another than its result")
+                else:
+                    folder.submit(host, name, str(reported))
                 continue
             elif report.get("state") == "failed":
                 why = f"its delta's upload failed: {str(report.get('error'))[:500]}"
@@ -286,3 +293,11 @@ def await_uploads(
                 folder.refuse(host, why)
         if folder.deferred:
             time.sleep(UPLOAD_POLL_S)
+
+
+def _a_hash(value: object) -> bool:
+    """A state hash as a worker reports one (``scheme:hex``), not anything a beat may hold."""
+    if not isinstance(value, str) or len(value) > MAX_HASH_CHARS:
+        return False
+    scheme, _, digest = value.partition(":")
+    return scheme.isalnum() and len(digest) >= 32 and all(c in "0123456789abcdef" for c in digest)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 from typing import Any
 
 from celery import Celery, Task
@@ -118,9 +119,14 @@ def run_round(
         inbox = rt.sync_inbox(spec.sync_id, current) if spec is not None and spec.sync_id else None
         try:
             rt.wait_round(current)
+            if spec is not None and inbox is not None:
+                # A completed round's delta pass waits for its sync first: the next W is built on it.
+                rt.executor.overlapped.overlap.gate = partial(inbox.wait, spec.sync_wait_s)
             result = rt.executor.finish_round().to_json()
             if spec is not None:
-                result["overlap"] = _rebase(rt, spec.sync_wait_s, inbox, result["status"] == "completed")
+                result["overlap"] = _end_overlapped(
+                    rt, spec.sync_wait_s, inbox, result["status"] == "completed"
+                )
         finally:
             if inbox is not None:
                 inbox.close()
@@ -128,24 +134,21 @@ def run_round(
         return _remember(task_id, result)
 
 
-def _rebase(rt: Any, sync_wait_s: float, inbox: SyncInbox | None, completed: bool) -> dict[str, Any]:
-    """An overlapped round's end: wait for its sync (idle time, reported), then the working copy
-    the next round starts from, and its delta handed to an upload beside the next round. A round
-    that did not complete waits for nothing: its host is re-synced by the orchestrator."""
-    waiting = time.monotonic()
-    synced = inbox is None or (completed and inbox.wait(sync_wait_s))
-    waited = time.monotonic() - waiting
-    rebasing = time.monotonic()
+def _end_overlapped(rt: Any, sync_wait_s: float, inbox: SyncInbox | None, completed: bool) -> dict[str, Any]:
+    """An overlapped round's end, reported: the wait for its sync (idle time) and the working
+    copy the next round starts from (both made in its delta's pass), and its delta handed to an
+    upload beside the next round. A round that did not complete waited for nothing: its host is
+    re-synced by the orchestrator."""
     keeper = rt.executor.overlapped
-    rebased = keeper.rebase(completed and synced)
-    rebase_s = time.monotonic() - rebasing
-    # The delta's PUT runs beside the next round; its end is in the heartbeat, written at once.
+    ended = keeper.end_overlapped_round()
+    # The delta's hash, frame and PUT run beside the next round; their end is in the heartbeat.
     upload_wait_s = keeper.overlap.hand_off(on_done=rt.beat)
+    synced = inbox is None or inbox.outcome is not None
     out: dict[str, Any] = {
         "global_hash": rt.executor.session.model_hash if rt.executor.session else None,
-        "rebased": rebased,
-        "sync_wait_s": round(waited, 6),
-        "rebase_s": round(rebase_s, 6),
+        "rebased": ended.rebased,
+        "sync_wait_s": round(ended.sync_wait_s, 6),
+        "rebase_s": round(ended.rebase_s, 6),
         "upload_wait_s": round(upload_wait_s, 6),
         "sync": inbox.outcome if inbox is not None else None,
     }

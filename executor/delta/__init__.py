@@ -35,6 +35,7 @@ from executor.delta._quant import (
     format_name,
     quantize,
 )
+from executor.delta._qwire import trained_keys
 from executor.delta._schemes import (
     DEFAULT_SCHEME,
     SCHEMES,
@@ -56,6 +57,7 @@ from executor.delta._wire import (
     DEFAULT_MAX_DELTA_BYTES,
     compress_delta,
     read_delta,
+    trained_diff,
     write_delta,
     write_result_delta,
 )
@@ -90,6 +92,8 @@ __all__ = [
     "result_dtype",
     "scheme_of",
     "state_hash",
+    "trained_diff",
+    "trained_keys",
     "write_delta",
     "write_result_delta",
     "zstd_bound",

@@ -179,15 +179,19 @@ def write_result_delta(
             writer = StreamWriter(sink, entries)
             writer.write_header()
             for name in names:
-                original = read_tensor(file, header, header.specs[name])
-                value = trained[name].detach().to("cpu", torch.float32)
-                diff = (value - original.to(torch.float32)).to(dtype).contiguous()
+                diff = trained_diff(trained[name], read_tensor(file, header, header.specs[name]), dtype)
                 hash_entry_header(hasher, name, dtype, diff.shape)
                 data = tensor_bytes(diff)
                 hasher.update(data)
                 writer.write(data)
     digest = HASH_PREFIX + hasher.hexdigest()
     return DeltaFile(os.path.getsize(path), digest, dtype_name(dtype), len(names), compressed=compress)
+
+
+def trained_diff(trained: torch.Tensor, original: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One key of a round's delta: ``trained - original`` in fp32, cast to ``dtype``."""
+    value = trained.detach().to("cpu", torch.float32)
+    return (value - original.to(torch.float32)).to(dtype).contiguous()
 
 
 def compress_delta(raw_path: str, path: str, abort: threading.Event | None = None) -> int:

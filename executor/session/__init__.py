@@ -3,8 +3,10 @@
 The facade (:class:`executor.core.Executor`) parses each request once into a typed value
 and hands it to the :class:`SessionKeeper`, which owns the rest:
 
-- ``_overlap``: an overlapped session's two copies, the global model and the working copy
-  its rounds start from (``WorkingCopy``), and ``run_round``'s ``OverlapSpec``;
+- ``_working``: an overlapped session's working copy (``WorkingCopy``), the file its rounds
+  start from, and the one pass that writes a round's delta and the next working copy;
+- ``_overlap``: the rest of an overlapped session's side: ``run_round``'s ``OverlapSpec``,
+  the round's start and end, and its delta's upload beside the next round;
 - ``_requests``: ``LoadRequest``, ``RoundRequest``, ``SyncRequest``, each checked once where
   it enters; ``QuantConfig`` (how a quantised delta is cut);
 - ``_model``: the model file in the work dir (``ModelFiles``): fetched, hashed as it lands,
@@ -21,9 +23,10 @@ Inside the package each module imports only those above it in this list.
 from executor.session._keeper import SessionConfig, SessionKeeper
 from executor.session._manifest import Manifest, drop_manifest, read_manifest
 from executor.session._model import InstalledModel, ModelFiles, ModelLimits, model_fingerprint
-from executor.session._overlap import NotInSync, OverlapSpec, WorkingCopy
+from executor.session._overlap import NotInSync, Overlap, OverlapSpec
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._state import Session
+from executor.session._working import WorkingCopy
 
 __all__ = [
     "InstalledModel",
@@ -32,6 +35,7 @@ __all__ = [
     "ModelFiles",
     "ModelLimits",
     "NotInSync",
+    "Overlap",
     "OverlapSpec",
     "QuantConfig",
     "RoundRequest",

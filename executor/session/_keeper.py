@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -27,9 +27,9 @@ from executor.rounds import RoundOutcome, RoundRunner, round_result
 from executor.session._loading import LoadPipeline
 from executor.session._manifest import read_manifest, write_manifest
 from executor.session._model import ModelFiles, ModelLimits
-from executor.session._overlap import KeptDelta, Overlap
+from executor.session._overlap import Overlap, RoundEnd
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
-from executor.session._shipping import ship_delta
+from executor.session._shipping import ship_delta, ship_overlapped
 from executor.session._state import Session
 from executor.shards import ShardCache, ShardDescriptor, ShardSession
 from executor.stopping import DoneThread, StopSignal
@@ -177,22 +177,16 @@ class SessionKeeper:
 
     def ship(self, trained: Mapping[str, torch.Tensor] | None, request: RoundRequest) -> DeltaInfo:
         """The round's delta written (and uploaded when the request names a URL)."""
-        info = ship_delta(
-            self.require().start_path,
-            trained,
-            request,
-            work_dir=self.work_dir,
-            transfer_config=self._transfer,
-            abort=self._stop,
-            error_feedback=self.config.quant.error_feedback,
-            defer=request.overlap is not None,
-        )
-        if request.overlap is None or info.path is None:
-            return info
-        self.overlap.keep(
-            KeptDelta(info.path, request.delta_url, info.hash, request.spec.round_num, info.compressed)
-        )
-        return replace(info, path=None)  # the work dir's own copy, for the rebase: not reported
+        session, feedback = self.require(), self.config.quant.error_feedback
+        if request.overlap is not None:
+            return ship_overlapped(
+                self.overlap, session, trained, request, work_dir=self.work_dir,
+                transfer_config=self._transfer, abort=self._stop, error_feedback=feedback,
+            )  # fmt: skip
+        return ship_delta(
+            session.start_path, trained, request, work_dir=self.work_dir,
+            transfer_config=self._transfer, abort=self._stop, error_feedback=feedback,
+        )  # fmt: skip
 
     def sync(self, request: SyncRequest) -> ApplyOutcome:
         """Apply the orchestrator's sync delta in place, else download the full model: a sync
@@ -225,7 +219,10 @@ class SessionKeeper:
             self.end_overlap()
             return
         unchanged = session.model.file_unchanged()
-        session.working = self.overlap.start_path(request.overlap, session.model_hash, unchanged)
+        with map_exceptions({}, where="the work dir (working copy)"):
+            session.working = self.overlap.start_path(
+                request.overlap, session.model_path, session.model_hash, unchanged
+            )
 
     def sync_beside(self, request: SyncRequest) -> ApplyOutcome:
         """An overlapped round's sync, applied to G while the round trains from W (on the
@@ -256,16 +253,14 @@ class SessionKeeper:
             raise HashMismatch("the eager step's correction does not match the hash its order names")
         self.overlap.correction = correction
 
-    def rebase(self, completed: bool) -> bool:
-        """After an overlapped round: W = G + the delta it shipped (``completed``: it did, and
-        G is the global model the next round names); else W is dropped. True when rebuilt."""
-        session = self.current
-        if session is None:
+    def end_overlapped_round(self) -> RoundEnd:
+        """After an overlapped round: how its end went (its delta's pass waited for its sync and
+        rebuilt W); a round that shipped nothing drops W."""
+        if self.current is None:
             self.end_overlap()
-            return False
-        session.working = None
-        with map_exceptions({}, where="the work dir (working copy)"):
-            return self.overlap.rebase(session.model_path, session.model_hash, completed)
+            return RoundEnd(0.0, False, 0.0)
+        self.current.working = None
+        return self.overlap.end_round()
 
     def end_overlap(self) -> None:
         self.overlap.end()

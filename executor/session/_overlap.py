@@ -1,17 +1,14 @@
-"""Overlapped rounds on the worker: the global copy G, and the working copy W rounds start from.
+"""Overlapped rounds on the worker: the round's spec, its sync's gate, and its delta's upload.
 
 In overlapped mode (docs/OVERLAP.md) round k+1 trains while round k's deltas are folded, so the
-sync that brings the global model from θ_k to θ_{k+1} arrives during a round. The worker keeps
-two files in its model dir:
-
-- **G**, the installed model (``model.safetensors``): only ever changed by a sync checked
-  against its ``result_hash`` (or a load), so what every host holds of the global model is
-  provably the same;
-- **W**, ``working.safetensors``: where the next round starts, ``G + d`` with ``d`` the delta
-  this host shipped for its last round (the values it reported, dequantised: a deterministic
-  function of G and its own delta). A round of an overlapped session starts from W when W was
-  built on the G the round names, else from G (a host whose own progress was lost, by a stop,
-  a crash or a re-sync, starts from the global model like a new one).
+sync that brings the global model G from θ_k to θ_{k+1} arrives during a round (applied to G
+beside it, on the task's inbox thread). A round of an overlapped session starts from W
+(``executor.session._working``) when W was built on the G the round names; else from a snapshot
+of G when its sync will change G during the round, else from G itself (a host whose own
+progress was lost, by a stop, a crash or a re-sync, starts from the global model like a new
+one). At its end it waits for its sync (``Overlap.gate``), writes its delta and the next W in
+one pass, and hands the delta to an upload that hashes, frames and PUTs it beside the next
+round (``DeferredUpload``), reported in the heartbeat.
 
 Every other way the model changes (a load, ``apply_delta``, a sequential round, a reset)
 drops W.
@@ -19,7 +16,6 @@ drops W.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
@@ -31,14 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from executor import transfer
-from executor.delta import apply_rule, compress_delta, max_delta_bytes, read_delta, result_dtype
+from executor.delta import compress_delta, file_state_hash
 from executor.errors import ErrorInfo, HashMismatch, InvalidRequest, error_info
-from executor.fileio import atomic_writer, remove_quietly
+from executor.fileio import remove_quietly
+from executor.session._working import PlainDelta, WorkingCopy
 from executor.stopping import DoneThread
-from executor.tensorfile import StreamWriter, iter_tensors, load_state, read_header, tensor_bytes
 from executor.urls import Url
 
-WORKING_NAME = "working.safetensors"
 MAX_SYNC_WAIT_S = 24 * 3600.0
 MAX_GAIN = 100.0
 SYNC_ID_CHARS = 64
@@ -90,59 +85,14 @@ class OverlapSpec:
         return cls(base_hash, sync_id, float(wait), float(gain))
 
 
-class WorkingCopy:
-    """W, the file an overlapped session's rounds start from, and the G hash it was built on."""
+@dataclass(frozen=True)
+class RoundEnd:
+    """An overlapped round's end, for its result: the wait for its sync (idle, reported), whether
+    W was rebuilt for the next round and how long a separate rebuild took (0: in the delta's pass)."""
 
-    def __init__(self, model_dir: str) -> None:
-        self.path = os.path.join(model_dir, WORKING_NAME)
-        self.base_hash: str | None = None
-
-    def usable(self, global_hash: str) -> bool:
-        return self.base_hash == global_hash and os.path.exists(self.path)
-
-    def rebase(
-        self,
-        global_path: str,
-        global_hash: str,
-        delta_path: str,
-        *,
-        gain: float = 1.0,
-        correction: Mapping[str, torch.Tensor] | None = None,
-        compressed: bool = True,
-    ) -> None:
-        """W = G + gain * the shipped delta + ``correction``, key by key (G streamed, the delta
-        held: it is the small one). ``compressed`` False: the delta is this worker's own plain
-        safetensors file (no zstd frame to decode on the round's critical path)."""
-        self.drop()
-        if compressed:
-            delta = read_delta(delta_path, max_bytes=max_delta_bytes(global_path), allow_torch=False)
-        else:
-            delta = load_state(delta_path)
-        if gain != 1.0 or correction:
-            delta = {key: _eager(value, gain, (correction or {}).get(key)) for key, value in delta.items()}
-        with open(global_path, "rb") as source:
-            header = read_header(source)
-        names = sorted(header.specs)
-        entries = [(name, result_dtype(header.specs[name].dtype), header.specs[name].shape) for name in names]
-        with atomic_writer(self.path) as out:
-            writer = StreamWriter(out, entries)
-            writer.write_header()
-            for name, base in iter_tensors(global_path, names):
-                writer.write(tensor_bytes(apply_rule(base, delta.get(name)).contiguous()))
-        os.chmod(self.path, 0o644)  # the sandboxed runner reads it as another uid
-        self.base_hash = global_hash
-
-    def drop(self) -> None:
-        self.base_hash = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-def _eager(delta: torch.Tensor, gain: float, correction: torch.Tensor | None) -> torch.Tensor:
-    out = delta.to(torch.float32) * gain
-    if correction is not None and correction.shape == out.shape:
-        out.add_(correction.to(torch.float32))
-    return out
+    sync_wait_s: float
+    rebased: bool
+    rebase_s: float
 
 
 @dataclass(frozen=True)
@@ -152,16 +102,17 @@ class KeptDelta:
 
     path: str
     url: Url | None
-    delta_hash: str
+    delta_hash: str | None  # None: a plain delta, hashed by its upload
     round_num: int
     compressed: bool = True
 
 
 class DeferredUpload:
-    """An overlapped round's delta, framed (a plain one) and PUT while the next round trains
-    (so the GPU waits on neither the compressor nor the link). Its own stop: the next round's
-    stop does not cancel it; a reset, a load or a sequential round does. Its files are
-    removed once the upload has ended, either way."""
+    """An overlapped round's delta, hashed and framed (a plain one) and PUT while the next round
+    trains (so the GPU waits on neither the hash, the compressor nor the link); its hash is
+    reported with its end, in the heartbeat. Its own stop: the next round's stop does not
+    cancel it; a reset, a load or a sequential round does. Its files are removed once the
+    upload has ended, either way."""
 
     def __init__(
         self,
@@ -185,6 +136,8 @@ class DeferredUpload:
         started = time.monotonic()
         path = self._kept.path
         try:
+            if self.delta_hash is None:
+                self.delta_hash = file_state_hash(self._kept.path)  # the worker's own file
             if not self._kept.compressed:
                 path = self._kept.path + ".zst"
                 self.bytes = compress_delta(self._kept.path, path, self._abort)
@@ -232,36 +185,84 @@ class Overlap:
         # order brought (checked against the order's hash), used by the rebase at its end.
         self.gain = 1.0
         self.correction: dict[str, torch.Tensor] | None = None
+        # Set by the task for its round: waits for the round's sync, True once it is applied.
+        self.gate: Callable[[], bool] | None = None
+        self.ended: RoundEnd | None = None
         self._transfer, self._join_timeout_s = transfer_config, join_timeout_s
 
-    def start_path(self, spec: OverlapSpec, global_hash: str, unchanged: bool) -> str | None:
-        """Where the round starts: W when it is built on the global model the round names (None:
-        the global model itself). ``NotInSync`` when this host does not hold that model."""
+    def start_path(
+        self, spec: OverlapSpec, global_path: str, global_hash: str, unchanged: bool
+    ) -> str | None:
+        """Where the round starts: W when it is built on the global model the round names; a
+        snapshot of G as W when the round awaits a sync (applied to G in place while it trains);
+        else None (G itself). ``NotInSync`` when this host does not hold the model named."""
         if global_hash != spec.base_hash or not unchanged:
             raise NotInSync(
                 "this host does not hold the global model the overlapped round starts on",
                 {"expected": spec.base_hash, "held": global_hash},
             )
         self.drop_kept()
-        self.gain, self.correction = spec.gain, None
-        return self.working.path if self.working.usable(global_hash) else None
+        self.gain, self.correction, self.gate, self.ended = spec.gain, None, None, None
+        if self.working.usable(global_hash):
+            return self.working.path
+        if spec.sync_id is not None:
+            self.working.snapshot(global_path, global_hash)
+            return self.working.path
+        self.working.drop()
+        return None
+
+    def await_sync(self) -> tuple[bool, float]:
+        """At a completed round's end: wait for its sync (the task's gate); applied?, seconds."""
+        started = time.monotonic()
+        gate, self.gate = self.gate, None
+        synced = gate is None or gate()
+        return synced, time.monotonic() - started
+
+    def write_end(
+        self,
+        start_path: str,
+        trained: Mapping[str, torch.Tensor],
+        kept: KeptDelta,
+        dtype: torch.dtype,
+        base: tuple[str, str] | None,
+        sync_wait_s: float,
+    ) -> PlainDelta:
+        """A completed round's float delta written plain and, on ``base`` (the synced G), the next
+        W, in one pass (``WorkingCopy.write_round_end``); the delta kept for its upload."""
+        correction, self.correction = self.correction, None
+        written = self.working.write_round_end(
+            start_path, trained, kept.path, dtype, base, gain=self.gain, correction=correction
+        )
+        self.keep(kept)
+        self.ended = RoundEnd(sync_wait_s, written.rebased, rebase_s=0.0)
+        return written
 
     def keep(self, kept: KeptDelta) -> None:
         self.drop_kept()
         self.kept = kept
 
-    def rebase(self, global_path: str, global_hash: str, completed: bool) -> bool:
-        """W = G + the kept delta (``completed``: the round shipped it and G is the model the next
-        round names), else W dropped. True when rebuilt."""
+    def rebase(self, global_path: str, global_hash: str, synced: bool, sync_wait_s: float) -> None:
+        """After a quantised delta's write: W = G + the kept delta, dequantised (``synced``: G is
+        the model the next round names), else W dropped."""
         correction, self.correction = self.correction, None
-        if not completed or self.kept is None:
+        started = time.monotonic()
+        if not synced or self.kept is None:
             self.working.drop()
-            return False
-        self.working.rebase(
-            global_path, global_hash, self.kept.path, gain=self.gain, correction=correction,
-            compressed=self.kept.compressed,
-        )  # fmt: skip
-        return True
+        else:
+            self.working.rebase(
+                global_path, global_hash, self.kept.path, gain=self.gain, correction=correction,
+                compressed=self.kept.compressed,
+            )  # fmt: skip
+        self.ended = RoundEnd(sync_wait_s, synced and self.kept is not None, time.monotonic() - started)
+
+    def end_round(self) -> RoundEnd:
+        """How the round's end went; a round that shipped nothing (stopped, failed) drops W."""
+        ended, self.ended, self.gate = self.ended, None, None
+        if ended is None:
+            self.correction = None
+            self.working.drop()
+            return RoundEnd(0.0, False, 0.0)
+        return ended
 
     def hand_off(self, on_done: Callable[[], None]) -> float:
         """The kept delta to its upload, once the previous upload has ended (a link slower than a
@@ -289,7 +290,7 @@ class Overlap:
         """The model is no longer the overlapped session's: W, the kept delta and the uploads go."""
         self.drop_kept()
         self.working.drop()
-        self.correction = None
+        self.correction, self.gate, self.ended = None, None, None
         for upload in list(self.uploads):
             upload.cancel(self._join_timeout_s)
         self.uploads.clear()

@@ -5,6 +5,9 @@ returned.
 A quantised delta with error feedback carries the residual of the session's earlier rounds
 (``executor.delta.ErrorFeedback``, in the work dir); the next residual replaces it only once
 this delta is delivered, so a failed upload leaves it as it was.
+
+An overlapped round's (:func:`ship_overlapped`) is written after its sync came, in one pass
+with the working copy the next round starts from, and uploaded beside the next round.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from dataclasses import replace
 import torch
 
 from executor import transfer
-from executor.delta import ErrorFeedback, QuantScheme, write_result_delta
+from executor.delta import ErrorFeedback, QuantScheme, file_state_hash, write_result_delta
 from executor.errors import map_exceptions
 from executor.results import DeltaInfo
+from executor.session._overlap import KeptDelta, Overlap
 from executor.session._requests import RoundRequest
+from executor.session._state import Session
+from executor.tensorfile import dtype_name
 from executor.workdir import SessionDir
 
 
@@ -38,32 +44,25 @@ def ship_delta(
     defer: bool = False,
 ) -> DeltaInfo:
     """Write the trained delta (a zero delta when nothing was saved) and upload it; ``defer``
-    (an overlapped round): written only, its ``path`` returned, for the rebase and the upload
-    that runs beside the next round (``executor.session._overlap.DeferredUpload``), a float
-    delta as plain safetensors (the upload frames it: ``compressed`` False, ``bytes`` the plain
-    file's)."""
+    (an overlapped round's quantised delta): written only, its ``path`` returned, for the
+    rebase and the upload that runs beside the next round (:func:`ship_overlapped`)."""
     dirs = SessionDir(work_dir)
     os.makedirs(dirs.deltas, exist_ok=True)
+    path = dirs.round_delta(request.spec.round_num)
     dtype, delta_url = request.delta_format, request.delta_url
-    # Deferred, a float delta is written plain: its zstd pass runs beside the next round too.
-    plain = defer and not isinstance(dtype, QuantScheme)
-    path = dirs.round_delta(request.spec.round_num, compressed=not plain)
     feedback = ErrorFeedback(work_dir) if isinstance(dtype, QuantScheme) and error_feedback else None
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         residual = stack.enter_context(feedback.next_round()) if feedback is not None else None
         with map_exceptions({}, where="the work dir (trained delta)"):
-            written = write_result_delta(
-                model_path, trained or {}, path, dtype=dtype, feedback=residual, compress=not plain
-            )
+            written = write_result_delta(model_path, trained or {}, path, dtype=dtype, feedback=residual)
             if (defer or not delta_url) and residual is not None:
                 # Kept in the work dir, or handed to an upload beside the next round, whose own
                 # delta is cut before that upload ends: counted as delivered once written.
                 residual.commit()
         info = DeltaInfo(
-            written.bytes, written.hash, written.dtype, written.keys, write_s=time.monotonic() - started,
-            compressed=written.compressed,
-        )  # fmt: skip
+            written.bytes, written.hash, written.dtype, written.keys, write_s=time.monotonic() - started
+        )
         if not delta_url:
             return replace(info, path=path)
         if defer:
@@ -78,3 +77,49 @@ def ship_delta(
             with map_exceptions({}, where="the work dir (error feedback)"):
                 residual.commit()
     return info
+
+
+def ship_overlapped(
+    overlap: Overlap,
+    session: Session,
+    trained: Mapping[str, torch.Tensor] | None,
+    request: RoundRequest,
+    *,
+    work_dir: str,
+    transfer_config: transfer.TransferConfig,
+    abort: threading.Event,
+    error_feedback: bool = True,
+) -> DeltaInfo:
+    """An overlapped round's delta (docs/OVERLAP.md). Its sync is awaited first: the next W is
+    built on it. A float delta is then written plain in one pass with the next W, and kept for
+    the upload beside the next round, which hashes, frames and PUTs it (its hash reported in
+    the heartbeat: the result's is None). A quantised delta is written and hashed as in
+    sequential mode (its residual is committed now), then W is rebuilt from the values it
+    carries. Without a URL, a plain delta is hashed here, for the result."""
+    synced, waited = overlap.await_sync()
+    url, round_num = request.delta_url, request.spec.round_num
+    if isinstance(request.delta_format, QuantScheme):
+        info = ship_delta(
+            session.start_path, trained, request, work_dir=work_dir, transfer_config=transfer_config,
+            abort=abort, error_feedback=error_feedback, defer=True,
+        )  # fmt: skip
+        if info.path is not None:
+            overlap.keep(KeptDelta(info.path, url, info.hash, round_num))
+        with map_exceptions({}, where="the work dir (working copy)"):
+            overlap.rebase(session.model_path, session.model_hash, synced, waited)
+        return replace(info, path=None)  # the work dir's own copy, for the upload: not reported
+    dirs = SessionDir(work_dir)
+    os.makedirs(dirs.deltas, exist_ok=True)
+    kept = KeptDelta(dirs.round_delta(round_num, compressed=False), url, None, round_num, compressed=False)
+    base = (session.model_path, session.model_hash) if synced else None
+    started = time.monotonic()
+    with map_exceptions({}, where="the work dir (trained delta)"):
+        written = overlap.write_end(
+            session.start_path, trained or {}, kept, request.delta_format, base, waited
+        )
+        delta_hash = None if url is not None else file_state_hash(kept.path)
+    return DeltaInfo(
+        written.bytes, delta_hash, dtype_name(request.delta_format), written.keys,
+        write_s=time.monotonic() - started, url=str(url) if url is not None else None,
+        deferred=url is not None, compressed=False,
+    )  # fmt: skip

@@ -150,7 +150,10 @@ def test_a_host_killed_mid_round_is_lost_and_the_rest_go_on(cluster, tmp_path: P
     doomed.start()
     try:
         hosts = ["ov-a", "ov-doomed"]
-        options = {"code": SLOW_ON_CUE, "params": {"slow_host": "ov-doomed", "slow_round": 1}}
+        options = {
+            "code": SLOW_ON_CUE, "params": {"slow_host": "ov-doomed", "slow_round": 1},
+            "allowed_hosts": hosts,  # the module's idle ov-b must not join in the doomed one's place
+        }  # fmt: skip
         since = event_seq(client, "ov-doomed")
 
         def kill_once_spinning() -> None:

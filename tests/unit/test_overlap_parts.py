@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import orchestrator.overlap as overlap
 from executor.delta import apply_rule, read_delta, write_result_delta
 from executor.errors import InvalidRequest
-from executor.session import OverlapSpec, WorkingCopy
+from executor.session import NotInSync, Overlap, OverlapSpec, WorkingCopy
 from executor.tensorfile import load_state
 from orchestrator.aggregate import DeltaFolder
 from tasks.overlap import BadOrder, SyncOrder
@@ -109,6 +109,64 @@ def test_the_working_copy_is_the_global_model_plus_the_shipped_delta(tmp_path: P
     assert not copy.usable(HASH) and not Path(copy.path).exists()
 
 
+def test_the_round_ends_pass_writes_the_same_delta_and_working_copy_as_the_two_steps(tmp_path: Path) -> None:
+    """The fused pass (delta plain + the next W) against the sequential path's delta and the
+    rebase from it: the same hash, the same W bit for bit; its start may be W itself."""
+    from executor.delta import file_state_hash
+
+    torch.manual_seed(1)
+    start = {"w": torch.randn(64, 33), "b": torch.randn(33), "steps": torch.tensor([3])}
+    trained = {k: v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v for k, v in start.items()}
+    glob = {k: v + 0.5 if v.is_floating_point() else v for k, v in start.items()}
+    save_file(glob, str(tmp_path / "global.safetensors"))
+    copy = WorkingCopy(str(tmp_path))
+    save_file(start, copy.path)  # the round started from W
+    framed = write_result_delta(copy.path, trained, str(tmp_path / "two-step.zst"))
+    two_step = WorkingCopy(str(tmp_path / "elsewhere"))
+    Path(two_step.path).parent.mkdir()
+    correction = {"w": torch.full((64, 33), 0.25, dtype=torch.float16)}
+    two_step.rebase(
+        str(tmp_path / "global.safetensors"),
+        HASH,
+        str(tmp_path / "two-step.zst"),
+        gain=1.7,
+        correction=correction,
+    )
+    written = copy.write_round_end(
+        copy.path, trained, str(tmp_path / "plain"), torch.float16,
+        (str(tmp_path / "global.safetensors"), HASH), gain=1.7, correction=correction,
+    )  # fmt: skip
+    assert written.rebased and written.keys == 2 and copy.usable(HASH)
+    assert file_state_hash(str(tmp_path / "plain")) == framed.hash
+    built, expected = load_state(copy.path), load_state(two_step.path)
+    assert set(built) == set(expected) and all(torch.equal(built[k], expected[k]) for k in expected)
+    # No sync came: the delta is still written (against the W it started from), W is dropped.
+    save_file(start, copy.path)
+    copy.base_hash = HASH
+    unsynced = copy.write_round_end(copy.path, trained, str(tmp_path / "plain2"), torch.float16, None)
+    assert not unsynced.rebased and not copy.usable(HASH) and not Path(copy.path).exists()
+    assert file_state_hash(str(tmp_path / "plain2")) == framed.hash
+
+
+def test_a_round_that_starts_from_the_global_model_with_a_sync_due_starts_from_a_snapshot(
+    tmp_path: Path,
+) -> None:
+    """The sync is applied to G in place while the round trains: the round's start (what its
+    delta is taken against) must be a copy that the sync does not touch."""
+    glob = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(8)}, str(glob))
+    keeper = Overlap(str(tmp_path), None, 1.0)  # type: ignore[arg-type]  # no upload runs here
+    spec = OverlapSpec(HASH, None, 5.0)
+    assert keeper.start_path(spec, str(glob), HASH, unchanged=True) is None  # no sync due: G itself
+    due = OverlapSpec(HASH, "abc123", 5.0)
+    start = keeper.start_path(due, str(glob), HASH, unchanged=True)
+    assert start == keeper.working.path and Path(start).read_bytes() == glob.read_bytes()
+    assert Path(start).stat().st_mode & 0o777 == 0o644  # the sandboxed runner reads it
+    assert keeper.start_path(due, str(glob), HASH, unchanged=True) == start  # usable: not copied again
+    with pytest.raises(NotInSync):
+        keeper.start_path(OverlapSpec("sha256:" + "c" * 64, "abc123", 5.0), str(glob), HASH, unchanged=True)
+
+
 class Beats:
     """What each host's heartbeat says, round after round of polls (the test's own data)."""
 
@@ -119,11 +177,14 @@ class Beats:
         return {h: (self.script[h].pop(0) if len(self.script[h]) > 1 else self.script[h][0]) for h in hosts}
 
 
-def upload(delta_hash: str, state: str, **more: Any) -> dict[str, Any]:
+H = {n: f"sha256:{n:064x}" for n in range(1, 9)}  # well-formed state hashes
+
+
+def upload(round_num: int, delta_hash: object, state: str, **more: Any) -> dict[str, Any]:
     return {
         "uploads": [
-            {"round": 1, "hash": "other", "state": "done"},
-            {"hash": delta_hash, "state": state, **more},
+            {"round": round_num - 1, "hash": H[8], "state": "done"},  # an earlier round's: not this one
+            {"round": round_num, "hash": delta_hash, "state": state, **more},
         ]
     }
 
@@ -133,30 +194,38 @@ def test_a_deferred_delta_is_fetched_only_once_its_upload_is_done(
 ) -> None:
     monkeypatch.setattr(overlap, "UPLOAD_POLL_S", 0.01)
     monkeypatch.setattr(overlap, "UPLOAD_UNREPORTED_S", 0.2)
-    submitted: list[str] = []
+    submitted: dict[str, str] = {}
     folder = DeltaFolder(object(), str(tmp_path), {"w": torch.zeros(2)})  # type: ignore[arg-type]
-    monkeypatch.setattr(folder, "submit", lambda host, name, h: submitted.append(host))
+    monkeypatch.setattr(folder, "submit", lambda host, name, h: submitted.__setitem__(host, h))
     folder.deferred = {
-        "ok": ("n1", "h1"),  # running twice, then done: fetched
-        "failed": ("n2", "h2"),
-        "lost": ("n3", "h3"),
-        "forgotten": ("n4", "h4"),  # a restarted worker's beats do not mention it
-        "hostile": ("n5", "h5"),  # a beat that is not what a worker writes
+        "ok": ("n1", 3, H[1]),  # running twice, then done: fetched
+        "hashed-beside": ("n6", 3, None),  # a plain delta: its hash comes with its upload's report
+        "failed": ("n2", 3, H[2]),
+        "lost": ("n3", 3, H[3]),
+        "forgotten": ("n4", 3, H[4]),  # a restarted worker's beats do not mention it
+        "hostile": ("n5", 3, H[5]),  # a beat that is not what a worker writes
+        "other-hash": ("n7", 3, H[7]),  # done, but with another hash than its result's
+        "no-hash": ("n8", 3, None),  # done, with no hash a worker would write
     }
     beats = Beats(
         {
-            "ok": [upload("h1", "running"), upload("h1", "running"), upload("h1", "done")],
-            "failed": [upload("h2", "failed", error={"code": "download_failed", "message": "HTTP 403"})],
-            "lost": [upload("h3", "running"), None],
+            "ok": [upload(3, H[1], "running"), upload(3, H[1], "running"), upload(3, H[1], "done")],
+            "hashed-beside": [upload(3, None, "running"), upload(3, H[6], "done")],
+            "failed": [upload(3, H[2], "failed", error={"code": "download_failed", "message": "HTTP 403"})],
+            "lost": [upload(3, H[3], "running"), None],
             "forgotten": [{"uploads": []}],
             "hostile": [{"uploads": "nonsense"}],
+            "other-hash": [upload(3, H[1], "done")],
+            "no-hash": [upload(3, "sha256:../../etc/passwd" + "0" * 40, "done")],
         }
     )
     overlap.await_uploads(folder, beats, bound_s=30)
-    assert submitted == ["ok"] and not folder.deferred
+    assert submitted == {"ok": H[1], "hashed-beside": H[6]} and not folder.deferred
     errors = {host: f.error for host, f in folder.results().items()}
     assert "HTTP 403" in str(errors["failed"]) and "lost" in str(errors["lost"])
     assert "not reported" in str(errors["forgotten"]) and "not reported" in str(errors["hostile"])
+    assert "another than its result" in str(errors["other-hash"])
+    assert "reports no hash" in str(errors["no-hash"])
     folder.close()
 
 
@@ -165,8 +234,8 @@ def test_an_upload_that_never_ends_is_given_up_at_the_bound(
 ) -> None:
     monkeypatch.setattr(overlap, "UPLOAD_POLL_S", 0.01)
     folder = DeltaFolder(object(), str(tmp_path), {"w": torch.zeros(2)})  # type: ignore[arg-type]
-    folder.deferred = {"slow": ("n", "h")}
-    overlap.await_uploads(folder, Beats({"slow": [upload("h", "running")]}), bound_s=0.1)
+    folder.deferred = {"slow": ("n", 2, None)}
+    overlap.await_uploads(folder, Beats({"slow": [upload(2, None, "running")]}), bound_s=0.1)
     assert "did not end within 0.1 s" in str(folder.results()["slow"].error)
     folder.close()
 
