@@ -10,7 +10,9 @@ of G and its own delta.
 The round's end is on the GPU's critical path, so a float delta and the next W are made in one
 pass over the model (:meth:`WorkingCopy.write_round_end`): each key of the trained state, of the
 round's start and of G is read once, the delta's key is written plain (its hash and its zstd
-frame are made beside the next round, with its upload) and W's key is written beside it.
+frame are made beside the next round, with its upload) and W's key is written beside it. The
+new W takes the old one's name by ``replace_retiring``: renamed over it, ext4 would write the
+new file out and free the old one's blocks on the spot, on that path (``executor.fileio``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class WorkingCopy:
         """W = G byte for byte: the start of a round that would start from G while its sync is
         applied to G in place (the round's delta is taken against the model it started from)."""
         self.base_hash = None
-        with open(global_path, "rb") as source, atomic_writer(self.path) as out:
+        with open(global_path, "rb") as source, atomic_writer(self.path, retire=True) as out:
             shutil.copyfileobj(source, out, COPY_CHUNK_BYTES)
         self._publish(global_hash)
 
@@ -109,7 +111,10 @@ class WorkingCopy:
                     (name, result_dtype(header.specs[name].dtype), header.specs[name].shape) for name in keys
                 ]
                 shipped = set(names)
-                with atomic_writer(delta_path) as delta_out, atomic_writer(self.path) as working_out:
+                with (
+                    atomic_writer(delta_path) as delta_out,
+                    atomic_writer(self.path, retire=True) as working_out,
+                ):
                     delta, built = StreamWriter(delta_out, entries), StreamWriter(working_out, working)
                     delta.write_header()
                     built.write_header()
@@ -145,7 +150,7 @@ class WorkingCopy:
             header = read_header(source)
         names = sorted(header.specs)
         entries = [(name, result_dtype(header.specs[name].dtype), header.specs[name].shape) for name in names]
-        with atomic_writer(self.path) as out:
+        with atomic_writer(self.path, retire=True) as out:
             writer = StreamWriter(out, entries)
             writer.write_header()
             for name, base in iter_tensors(global_path, names):

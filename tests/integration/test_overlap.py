@@ -1,6 +1,7 @@
 """Overlapped rounds (docs/OVERLAP.md) through real workers: every host's copy of the global model
-bit-identical after N rounds, a stop mid-round, a host killed mid-round, an orchestrator killed
-and resumed, and forged, unsigned or replayed sync orders refused (DESIGN §11)."""
+bit-identical after N rounds, a stop mid-round, a host killed mid-round, a host joining mid-session
+(its delta taken against what it started from), an orchestrator killed and resumed, and forged,
+unsigned or replayed sync orders refused (DESIGN §11)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from typing import Any
 
 import pytest
 import redis
+import torch
+from safetensors.torch import save_file
 
-from executor.delta import state_hash
+from executor.delta import read_delta, state_hash
 from orchestrator.artifacts import ArtifactServer
 from orchestrator.checkpoint import StateDir
 from orchestrator.collect import describe
@@ -177,6 +180,56 @@ def test_a_host_killed_mid_round_is_lost_and_the_rest_go_on(cluster, tmp_path: P
         orchestrator.close()
     finally:
         doomed.stop()
+
+
+PLUS_ONE = """
+state = load_model(model_path)
+for tensor in state.values():
+    if tensor.is_floating_point():
+        tensor.add_(1.0)
+save_model(state)
+"""
+
+
+def test_a_host_that_joins_mid_session_ships_its_delta_against_the_model_it_started_from(  # type: ignore[no-untyped-def]
+    cluster, tmp_path: Path
+) -> None:
+    """A joiner's first overlapped round starts from the global model it loaded while the sync
+    of the round before is applied to that file in place: its delta must still be ``trained -
+    start``. Every round adds exactly 1.0 to every weight, so every delta any host ships is 1.0."""
+    client, store, _redis, _cache = cluster
+    other = tmp_path / "other.safetensors"
+    save_file(build_model(), other)
+    # ov-b holds another tenant's session (no candidate: docs/OPERATIONS.md) until round 1 starts.
+    client.load_model("ov-b", store.publish("ov-other", other), [], PLUS_ONE, tenant="ov-other").get(
+        timeout=120
+    )
+
+    def free_ov_b(round_num: int, _ids: dict[str, str]) -> None:
+        if round_num == 1:
+            client.reset("ov-b")  # sent, not awaited: the orchestrator's loop owns the results here
+
+    hosts = ["ov-a"]
+    options = {"code": PLUS_ONE, "max_hosts": 2, "join_wait_s": 60.0}
+    orchestrator = Orchestrator(
+        client,
+        store,
+        build_model(),
+        session(hosts, store, tmp_path, "ov5", **options),
+        on_round_start=free_ov_b,
+    )
+    orchestrator.load()
+    history = orchestrator.run(4)
+    joined = [s.round_num for s in history if "ov-b" in s.included]
+    assert joined and joined[0] >= 2 and history[-1].included == HOSTS, [s.included for s in history]
+    for summary in history:
+        for host in summary.included:
+            shipped = read_delta(str(store.path(orchestrator.delta_name(summary.round_num, host))))
+            assert shipped and all(torch.equal(v, torch.ones_like(v)) for v in shipped.values()), (
+                summary.round_num, host, {k: v.flatten()[:3] for k, v in shipped.items()},
+            )  # fmt: skip
+    assert held(orchestrator) == {orchestrator.global_hash}
+    orchestrator.close()
 
 
 class Died(Exception):
