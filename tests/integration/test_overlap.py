@@ -1,7 +1,7 @@
 """Overlapped rounds (docs/OVERLAP.md) through real workers: every host's copy of the global model
-bit-identical after N rounds, a stop mid-round, a host killed mid-round, a host joining mid-session
-(its delta taken against what it started from), an orchestrator killed and resumed, and forged,
-unsigned or replayed sync orders refused (DESIGN §11)."""
+bit-identical after N rounds, a stop mid-round, a host killed mid-round, a worker child killed
+mid-round, a host joining mid-session (its delta taken against what it started from), an
+orchestrator killed and resumed, and forged, unsigned or replayed sync orders refused (DESIGN §11)."""
 
 from __future__ import annotations
 
@@ -230,6 +230,67 @@ def test_a_host_that_joins_mid_session_ships_its_delta_against_the_model_it_star
             )  # fmt: skip
     assert held(orchestrator) == {orchestrator.global_hash}
     orchestrator.close()
+
+
+LONG_ON_CUE = (
+    """
+if params.get("long_host") == host_id and round_num == params.get("long_round"):
+    emit_log("long round started")
+    import time
+    until = time.monotonic() + float(params["long_s"])
+    while time.monotonic() < until:
+        should_stop()
+        time.sleep(0.05)
+"""
+    + TRAIN
+)
+
+
+def test_a_worker_child_killed_mid_round_is_replaced_and_its_host_trains_on_in_sync(  # type: ignore[no-untyped-def]
+    cluster, tmp_path: Path
+) -> None:
+    """The OOM killer's case (docs/OVERLAP.md): Celery runs the round again on the replacement
+    child, which drops W; if the dead child had applied the round's sync, the rerun refuses
+    (the host no longer holds the round's base) and the host is re-synced; either way it
+    trains again and every copy ends on the global model."""
+    client, store, redis_server, cache = cluster
+    victim = WorkerProcess("ov-child", redis_server.url, tmp_path / "child", cache_dir=cache)
+    victim.start()
+    try:
+        hosts = ["ov-a", "ov-child"]
+        options = {
+            "code": LONG_ON_CUE, "params": {"long_host": "ov-child", "long_round": 1, "long_s": 6.0},
+            "allowed_hosts": hosts,
+        }  # fmt: skip
+        since = event_seq(client, "ov-child")
+        killed: list[int] = []
+
+        def kill_the_child() -> None:
+            wait_for_log(client, "ov-child", since, "long round started", timeout_s=120)
+            killed.append(victim.child_pid())
+            os.kill(killed[0], signal.SIGKILL)
+
+        def on_start(round_num: int, _ids: dict[str, str]) -> None:
+            if round_num == 1:
+                threading.Thread(target=kill_the_child, daemon=True).start()
+
+        orchestrator = Orchestrator(
+            client,
+            store,
+            build_model(),
+            session(hosts, store, tmp_path, "ov6", **options),
+            on_round_start=on_start,
+        )
+        orchestrator.load()
+        history = orchestrator.run(4)
+        assert killed and victim.child_pid() != killed[0], "the child was killed and replaced"
+        assert "ov-child" in history[3].included and history[3].included == hosts, [
+            s.included for s in history
+        ]
+        assert held(orchestrator) == {orchestrator.global_hash}
+        orchestrator.close()
+    finally:
+        victim.stop()
 
 
 class Died(Exception):
