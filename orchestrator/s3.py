@@ -4,6 +4,12 @@ Workers never hold credentials: the orchestrator presigns a GET (models, shards,
 deltas) or a PUT (a worker's trained delta) for each object, with AWS Signature Version 4
 in the query string — what every S3-compatible store accepts. Path-style addressing
 (``endpoint/bucket/key``), which MinIO expects.
+
+The signer is written here rather than taken from botocore: it is 3.5 × faster (20 µs a URL
+against 71 µs, ``python -m bench.presign``), which counts when a sharded round signs N × N
+URLs, and ``tests/unit/test_orchestrator_parts.py`` holds it equal to botocore's
+``S3SigV4QueryAuth``, URL for URL, over keys with spaces, reserved and non-ASCII characters,
+every method, region and lifetime it signs. ``presign`` takes the key unencoded.
 """
 
 from __future__ import annotations

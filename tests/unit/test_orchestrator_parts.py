@@ -151,6 +151,49 @@ def test_s3_presigning_matches_the_aws_documented_example() -> None:
     assert url.endswith("X-Amz-Signature=aeeed9bbccd4d02ee5c0109b86d86835f995330da4c265957d157751f604d404")
 
 
+S3_KEYS = [
+    "round-3/gp0.delta.zst", "a b/c+d=e~f/é.zst", "x!*'()$&,;@:=", "deep/er/path/", "日本語/ключ",
+    "%41already-encoded-stays-literal", "tab\there",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com"])
+def test_s3_presigning_equals_botocores_for_every_kind_of_key(endpoint: str) -> None:
+    """The hand-written signer (kept: 3.5 x faster, bench.presign; a sharded round signs N x N
+    URLs) against botocore's S3SigV4QueryAuth, the maintained implementation, given the key
+    encoded as boto3's serializer does: the same URL, byte for byte."""
+    from unittest import mock
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    import botocore.auth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    moment = dt.datetime(2026, 12, 5, 10, 0, 0, tzinfo=dt.UTC)
+    credentials = Credentials("AKIDEXAMPLE", "wJalr/K7MDENG+bPxRfi=CY")
+    checked = 0
+    for key in S3_KEYS:
+        raw = f"{endpoint}/bucket/roundhouse/{key}"
+        parts = urlsplit(raw)
+        encoded = urlunsplit((parts.scheme, parts.netloc, quote(parts.path, safe="/~"), "", ""))
+        for method in ("GET", "PUT", "HEAD", "DELETE"):
+            for region, expires in (("us-east-1", 1), ("eu-west-1", 3600), ("auto", 604800)):
+                request = AWSRequest(method=method, url=encoded)
+                with mock.patch.object(
+                    botocore.auth, "get_current_datetime", return_value=moment.replace(tzinfo=None)
+                ):
+                    botocore.auth.S3SigV4QueryAuth(credentials, "s3", region, expires=expires).add_auth(
+                        request
+                    )
+                ours = presign(
+                    method, raw, access_key=credentials.access_key, secret_key=credentials.secret_key,
+                    region=region, expires_s=expires, now=moment,
+                )  # fmt: skip
+                assert ours == request.url, (key, method, region)
+                checked += 1
+    assert checked == len(S3_KEYS) * 12
+
+
 # ---------------------------------------------------------------- streaming aggregation
 
 
