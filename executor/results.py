@@ -66,8 +66,6 @@ class DeltaInfo:
     upload_s: float = 0.0
     # An overlapped round's: PUT beside the next round, its end reported in the heartbeat.
     deferred: bool = False
-    # False: written plain, framed with zstd by its upload (``bytes``: the plain file's).
-    compressed: bool = True
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}

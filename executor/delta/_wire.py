@@ -11,7 +11,6 @@ in the same format, streaming the original from the model file.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import os
@@ -48,9 +47,6 @@ class DeltaFile:
     hash: str
     dtype: str
     keys: int
-    # False: plain safetensors (``write_result_delta(compress=False)``), for
-    # :func:`compress_delta` to frame before it is shipped.
-    compressed: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}
@@ -144,7 +140,6 @@ def write_result_delta(
     *,
     dtype: DeltaFormat = torch.float16,
     feedback: ResidualUpdate | None = None,
-    compress: bool = True,
 ) -> DeltaFile:
     """``trained - original`` for every floating key of the model file, cast, as a delta file.
 
@@ -153,10 +148,6 @@ def write_result_delta(
     A shape change is a ``ValueError`` (the caller reports it as the user's error).
     A :class:`QuantScheme` quantises each key as it is written, adding ``feedback``'s
     previous residual first and staging the next one (error feedback).
-
-    ``compress=False`` writes a float delta as plain safetensors (an overlapped round's: its
-    zstd pass runs beside the next round, :func:`compress_delta`); a quantised one is always
-    framed (its codes are packed as they are written).
     """
     if isinstance(dtype, QuantScheme):
         digest, keys = write_quantized_result(original_path, trained, path, dtype, _compressor(), feedback)
@@ -169,14 +160,8 @@ def write_result_delta(
         entries = [(n, dtype, header.specs[n].shape) for n in names]
         total = StreamWriter(io.BytesIO(), entries).total_bytes
         hasher = hashlib.sha256()
-        with contextlib.ExitStack() as stack:
-            raw = stack.enter_context(atomic_writer(path))
-            sink = (
-                stack.enter_context(_compressor().stream_writer(raw, size=total, closefd=False))
-                if compress
-                else raw
-            )
-            writer = StreamWriter(sink, entries)
+        with atomic_writer(path) as raw, _compressor().stream_writer(raw, size=total, closefd=False) as zf:
+            writer = StreamWriter(zf, entries)
             writer.write_header()
             for name in names:
                 diff = trained_diff(trained[name], read_tensor(file, header, header.specs[name]), dtype)
@@ -185,7 +170,7 @@ def write_result_delta(
                 hasher.update(data)
                 writer.write(data)
     digest = HASH_PREFIX + hasher.hexdigest()
-    return DeltaFile(os.path.getsize(path), digest, dtype_name(dtype), len(names), compressed=compress)
+    return DeltaFile(os.path.getsize(path), digest, dtype_name(dtype), len(names))
 
 
 def trained_diff(trained: torch.Tensor, original: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,10 +180,10 @@ def trained_diff(trained: torch.Tensor, original: torch.Tensor, dtype: torch.dty
 
 
 def compress_delta(raw_path: str, path: str, abort: threading.Event | None = None) -> int:
-    """Frame a plain safetensors delta (``write_result_delta(compress=False)``) as the wire's
-    zstd one, atomically; the bytes written. ``abort`` is checked between chunks
-    (``DownloadAborted``: the caller's stop). The state hash is the content's, so it does not
-    change."""
+    """Frame a plain safetensors delta (an overlapped round's, written by
+    ``executor.session.WorkingCopy.write_round_end``) as the wire's zstd one, atomically; the
+    bytes written. ``abort`` is checked between chunks (``DownloadAborted``: the caller's stop).
+    The state hash is the content's, so it does not change."""
     size = os.path.getsize(raw_path)
     with (
         open(raw_path, "rb") as source,

@@ -250,9 +250,8 @@ class Overlap:
             self.working.drop()
         else:
             self.working.rebase(
-                global_path, global_hash, self.kept.path, gain=self.gain, correction=correction,
-                compressed=self.kept.compressed,
-            )  # fmt: skip
+                global_path, global_hash, self.kept.path, gain=self.gain, correction=correction
+            )
         self.ended = RoundEnd(sync_wait_s, synced and self.kept is not None, time.monotonic() - started)
 
     def end_round(self) -> RoundEnd:

@@ -121,5 +121,5 @@ def ship_overlapped(
     return DeltaInfo(
         written.bytes, delta_hash, dtype_name(request.delta_format), written.keys,
         write_s=time.monotonic() - started, url=str(url) if url is not None else None,
-        deferred=url is not None, compressed=False,
+        deferred=url is not None,
     )  # fmt: skip

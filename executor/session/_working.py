@@ -34,7 +34,7 @@ from executor.delta import (
     trained_keys,
 )
 from executor.fileio import atomic_writer
-from executor.tensorfile import StreamWriter, iter_tensors, load_state, read_header, read_tensor, tensor_bytes
+from executor.tensorfile import StreamWriter, iter_tensors, read_header, read_tensor, tensor_bytes
 
 WORKING_NAME = "working.safetensors"
 COPY_CHUNK_BYTES = 8 << 20
@@ -136,16 +136,12 @@ class WorkingCopy:
         *,
         gain: float = 1.0,
         correction: Mapping[str, torch.Tensor] | None = None,
-        compressed: bool = True,
     ) -> None:
         """W = G + gain * the shipped delta + ``correction``, from the delta's file (a quantised
         delta: W takes the values it reported, dequantised), key by key (G streamed, the delta
         held: it is the small one)."""
         self.drop()
-        if compressed:
-            shipped = read_delta(delta_path, max_bytes=max_delta_bytes(global_path), allow_torch=False)
-        else:
-            shipped = load_state(delta_path)
+        shipped = read_delta(delta_path, max_bytes=max_delta_bytes(global_path), allow_torch=False)
         with open(global_path, "rb") as source:
             header = read_header(source)
         names = sorted(header.specs)

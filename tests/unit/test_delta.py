@@ -387,18 +387,18 @@ def test_result_delta_is_trained_minus_original(tmp_path: Path) -> None:
     assert info.hash == D.state_hash(back) and info.dtype == "bfloat16"
 
 
-def test_a_plain_result_delta_framed_later_is_the_same_delta(tmp_path: Path) -> None:
+def test_a_plain_delta_framed_later_is_the_same_delta(tmp_path: Path) -> None:
     # An overlapped round writes its delta plain and frames it beside the next round.
+    from executor.tensorfile import write_state
+
     original = sample_state()
     model = tmp_path / "m.safetensors"
     write_model(model, original)
     trained = {k: (v.float() + 0.5).to(v.dtype) if v.is_floating_point() else v for k, v in original.items()}
     framed = D.write_result_delta(str(model), trained, str(tmp_path / "r.zst"))
-    plain = D.write_result_delta(str(model), trained, str(tmp_path / "r.plain"), compress=False)
-    assert plain.hash == framed.hash and framed.compressed and not plain.compressed
-    from executor.tensorfile import load_state
-
-    assert D.state_hash(load_state(str(tmp_path / "r.plain"))) == plain.hash
+    with open(tmp_path / "r.plain", "wb") as plain:
+        write_state(plain, D.read_delta(str(tmp_path / "r.zst"), allow_torch=False))
+    assert D.file_state_hash(str(tmp_path / "r.plain")) == framed.hash
     size = D.compress_delta(str(tmp_path / "r.plain"), str(tmp_path / "later.zst"))
     assert size == os.path.getsize(tmp_path / "later.zst")
     assert D.state_hash(D.read_delta(str(tmp_path / "later.zst"), allow_torch=False)) == framed.hash
@@ -408,15 +408,15 @@ def test_a_stopped_compression_leaves_no_file(tmp_path: Path) -> None:
     import threading
 
     from executor.errors import DownloadAborted
+    from executor.tensorfile import write_state
 
-    model = tmp_path / "m.safetensors"
-    write_model(model, {"w": torch.zeros(1024)})
-    D.write_result_delta(str(model), {"w": torch.ones(1024)}, str(tmp_path / "r.plain"), compress=False)
+    with open(tmp_path / "r.plain", "wb") as plain:
+        write_state(plain, {"w": torch.ones(1024, dtype=torch.float16)})
     stop = threading.Event()
     stop.set()
     with pytest.raises(DownloadAborted):
         D.compress_delta(str(tmp_path / "r.plain"), str(tmp_path / "later.zst"), stop)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "r.plain"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.plain"]
 
 
 def test_result_delta_rejects_shape_changes(tmp_path: Path) -> None:
