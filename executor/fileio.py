@@ -45,14 +45,23 @@ def temp_path_for(path: str) -> str:
 
 
 @contextmanager
-def atomic_writer(path: str, *, retire: bool = False) -> Iterator[IO[bytes]]:
+def atomic_writer(path: str, *, retire: bool = False, reuse: str | None = None) -> Iterator[IO[bytes]]:
     """Yield a binary file; on a clean exit it replaces ``path`` whole, on error nothing changes.
 
-    ``retire``: a big file's replacement, by :func:`replace_retiring`."""
+    ``retire``: a big file's replacement, by :func:`replace_retiring`. ``reuse``: a spare file
+    of the writer's own (same directory), taken as the temp file when it exists and written
+    over from its start (cut to what was written): its pages or blocks are already there, a
+    new file's must be allocated as it is written (on this VM's tmpfs 0.05-0.25 s of kernel
+    time for 128 MB)."""
     tmp = temp_path_for(path)
     try:
+        if reuse is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(reuse, tmp)
         with open(tmp, "r+b") as file:  # not "wb": see temp_path_for
             yield file
+            if reuse is not None and os.fstat(file.fileno()).st_size > file.tell():
+                file.truncate()
         if retire:
             replace_retiring(tmp, path)
         else:

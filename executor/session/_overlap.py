@@ -16,6 +16,7 @@ drops W.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -29,14 +30,22 @@ import torch
 from executor import transfer
 from executor.delta import compress_delta, file_state_hash
 from executor.errors import ErrorInfo, HashMismatch, InvalidRequest, error_info
-from executor.fileio import remove_quietly
+from executor.fileio import TEMP_SUFFIX, remove_quietly
 from executor.session._working import PlainDelta, WorkingCopy
 from executor.stopping import DoneThread
 from executor.urls import Url
 
 MAX_SYNC_WAIT_S = 24 * 3600.0
+# A plain delta's file once its upload has ended, kept for the next round's delta to be written
+# over (no page or block to allocate on the GPU's critical path); a temp name, so a start-up
+# after a crash removes it.
+SPARE_DELTA = ".spare-delta" + TEMP_SUFFIX
 MAX_GAIN = 100.0
 SYNC_ID_CHARS = 64
+
+
+def spare_delta(delta_path: str) -> str:
+    return os.path.join(os.path.dirname(delta_path), SPARE_DELTA)
 
 
 class NotInSync(HashMismatch):
@@ -149,8 +158,11 @@ class DeferredUpload:
             self.error, self.state = error_info(exc), "failed"
         finally:
             self.seconds = time.monotonic() - started
+            if path != self._kept.path:  # the plain file, framed: the next round's pass reuses it
+                remove_quietly(path)
+                with contextlib.suppress(OSError):
+                    os.replace(self._kept.path, spare_delta(self._kept.path))
             remove_quietly(self._kept.path)
-            remove_quietly(path)
             self._on_done()
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -189,6 +201,7 @@ class Overlap:
         self.gate: Callable[[], bool] | None = None
         self.ended: RoundEnd | None = None
         self._transfer, self._join_timeout_s = transfer_config, join_timeout_s
+        self._spare: str | None = None  # where an ended upload leaves its plain file
 
     def start_path(
         self, spec: OverlapSpec, global_path: str, global_hash: str, unchanged: bool
@@ -230,9 +243,11 @@ class Overlap:
         """A completed round's float delta written plain and, on ``base`` (the synced G), the next
         W, in one pass (``WorkingCopy.write_round_end``); the delta kept for its upload."""
         correction, self.correction = self.correction, None
+        self._spare = spare_delta(kept.path)
         written = self.working.write_round_end(
-            start_path, trained, kept.path, dtype, base, gain=self.gain, correction=correction
-        )
+            start_path, trained, kept.path, dtype, base, gain=self.gain, correction=correction,
+            spare=self._spare,
+        )  # fmt: skip
         self.keep(kept)
         self.ended = RoundEnd(sync_wait_s, written.rebased, rebase_s=0.0)
         return written
@@ -293,3 +308,5 @@ class Overlap:
         for upload in list(self.uploads):
             upload.cancel(self._join_timeout_s)
         self.uploads.clear()
+        if self._spare is not None:
+            remove_quietly(self._spare)

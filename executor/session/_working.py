@@ -18,10 +18,12 @@ new file out and free the old one's blocks on the spot, on that path (``executor
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import IO
 
 import torch
 
@@ -77,13 +79,15 @@ class WorkingCopy:
         *,
         gain: float = 1.0,
         correction: Mapping[str, torch.Tensor] | None = None,
+        spare: str | None = None,
     ) -> PlainDelta:
         """One pass at a round's end: its float delta ``trained - start`` written plain to
         ``delta_path`` and, when ``base`` names the global model (path, hash) the next round
         starts on, W = G + gain * that delta + ``correction`` rebuilt on it, key by key (else W
         is dropped: its sync did not come). A shape change is a ``ValueError``. ``start_path``
-        may be W itself: it is read through its own descriptor, and the new W replaces it only
-        once whole."""
+        may be W itself: it is read through its own descriptor, and the new W replaces it whole
+        or, where it has its layout, is written over it key by key (:meth:`_rewritable`).
+        ``spare``: an earlier delta's file, written over (``atomic_writer``'s ``reuse``)."""
         self.base_hash = None
         with open(start_path, "rb") as start:
             start_header = read_header(start)
@@ -97,7 +101,7 @@ class WorkingCopy:
 
             if base is None:
                 self.drop()
-                with atomic_writer(delta_path) as out:
+                with atomic_writer(delta_path, reuse=spare) as out:
                     delta = StreamWriter(out, entries)
                     delta.write_header()
                     for name in names:
@@ -111,10 +115,8 @@ class WorkingCopy:
                     (name, result_dtype(header.specs[name].dtype), header.specs[name].shape) for name in keys
                 ]
                 shipped = set(names)
-                with (
-                    atomic_writer(delta_path) as delta_out,
-                    atomic_writer(self.path, retire=True) as working_out,
-                ):
+                rewrite = self._target(start_path, working)
+                with atomic_writer(delta_path, reuse=spare) as delta_out, rewrite as working_out:
                     delta, built = StreamWriter(delta_out, entries), StreamWriter(working_out, working)
                     delta.write_header()
                     built.write_header()
@@ -127,6 +129,33 @@ class WorkingCopy:
                             built.write(tensor_bytes(apply_rule(value, _step(step, gain, correction, name))))
         self._publish(global_hash)
         return PlainDelta(os.path.getsize(delta_path), len(names), rebased=True)
+
+    def _target(
+        self, start_path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Where the next W (``entries``) is written: over the round's start (:meth:`_rewritable`),
+        else a new file that replaces W once whole."""
+        layout = StreamWriter(io.BytesIO(), entries)
+        if self._rewritable(start_path, layout.header_bytes, layout.total_bytes):
+            return _overwrite(self.path)
+        return atomic_writer(self.path, retire=True)
+
+    def _rewritable(self, start_path: str, header_bytes: bytes, total_bytes: int) -> bool:
+        """The next W may overwrite the round's start where it lies: the round started from W
+        and the next W has its exact layout (so each key's bytes land where that key was read
+        from, after it was read). Writing into a file's existing pages allocates none: a new
+        256 MB file took 0.2-0.5 s of kernel time a round on this VM, the rewrite no page at all.
+        W is not usable while it is rewritten (``base_hash`` is None): a pass cut short leaves a
+        W that no round starts from."""
+        if os.path.abspath(start_path) != os.path.abspath(self.path):
+            return False
+        try:
+            with open(self.path, "rb") as current:
+                if os.fstat(current.fileno()).st_size != total_bytes:
+                    return False
+                return current.read(len(header_bytes)) == header_bytes
+        except FileNotFoundError:
+            return False
 
     def rebase(
         self,
@@ -161,6 +190,13 @@ class WorkingCopy:
     def _publish(self, global_hash: str) -> None:
         os.chmod(self.path, 0o644)  # the sandboxed runner reads it as another uid
         self.base_hash = global_hash
+
+
+@contextlib.contextmanager
+def _overwrite(path: str) -> Iterator[IO[bytes]]:
+    """``path`` opened to be written over where it lies (:meth:`WorkingCopy._rewritable`)."""
+    with open(path, "r+b") as file:
+        yield file
 
 
 def _step(

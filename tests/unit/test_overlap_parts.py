@@ -148,6 +148,53 @@ def test_the_round_ends_pass_writes_the_same_delta_and_working_copy_as_the_two_s
     assert file_state_hash(str(tmp_path / "plain2")) == framed.hash
 
 
+def test_the_next_working_copy_is_written_over_the_last_where_it_has_its_layout(tmp_path: Path) -> None:
+    """Round after round W keeps its layout: the pass writes the next W over the one the round
+    started from (same inode, no new pages), bit for bit what a fresh file gets, and the delta
+    over the spare an ended upload left. A pass cut short leaves a W no round starts from."""
+    from executor.fileio import atomic_writer
+
+    torch.manual_seed(2)
+    glob = {"w": torch.randn(64, 33), "b": torch.randn(33), "steps": torch.tensor([3])}
+    save_file(glob, str(tmp_path / "global.safetensors"))
+    base = (str(tmp_path / "global.safetensors"), HASH)
+    copy, fresh = WorkingCopy(str(tmp_path)), WorkingCopy(str(tmp_path / "fresh"))
+    Path(fresh.path).parent.mkdir()
+    copy.snapshot(*base)  # safetensors' own layout: the first pass writes a new file
+    spare = tmp_path / ".spare-delta.tmp"
+    for round_num in range(3):
+        start = load_state(copy.path)
+        trained = {k: v + 0.01 * (round_num + 1) if v.is_floating_point() else v for k, v in start.items()}
+        inode = Path(copy.path).stat().st_ino
+        with atomic_writer(fresh.path) as out:  # the same start, as a file of its own
+            out.write(Path(copy.path).read_bytes())
+        spare_inode = spare.stat().st_ino if spare.exists() else None
+        delta = tmp_path / f"round-{round_num}"
+        copy.write_round_end(copy.path, trained, str(delta), torch.float16, base, gain=1.3, spare=str(spare))
+        fresh.write_round_end(
+            fresh.path, trained, str(tmp_path / "fresh-delta"), torch.float16, base, gain=1.3
+        )
+        assert (Path(copy.path).stat().st_ino == inode) == (round_num > 0), round_num
+        assert Path(copy.path).read_bytes() == Path(fresh.path).read_bytes()
+        assert delta.read_bytes() == (tmp_path / "fresh-delta").read_bytes()
+        assert spare_inode is None or (delta.stat().st_ino == spare_inode and not spare.exists())
+        assert copy.usable(HASH)
+        delta.rename(spare)  # what the upload does once it has ended
+    spare.write_bytes(spare.read_bytes() + b"x" * 4096)  # a longer spare is cut to what is written
+    copy.write_round_end(copy.path, trained, str(tmp_path / "cut"), torch.float16, base, spare=str(spare))
+    assert (tmp_path / "cut").stat().st_size == (tmp_path / "fresh-delta").stat().st_size
+
+    class Broken(dict[str, torch.Tensor]):
+        def __getitem__(self, name: str) -> torch.Tensor:
+            if name == "w":
+                raise OSError("the result went away")
+            return super().__getitem__(name)
+
+    with pytest.raises(OSError):
+        copy.write_round_end(copy.path, Broken(trained), str(tmp_path / "x"), torch.float16, base)
+    assert not copy.usable(HASH)  # rewritten in part: no round starts from it
+
+
 def test_a_round_that_starts_from_the_global_model_with_a_sync_due_starts_from_a_snapshot(
     tmp_path: Path,
 ) -> None:
