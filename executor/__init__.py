@@ -14,7 +14,8 @@ Its parts, bottom up (``tests/unit/test_layout.py`` holds each to importing only
   inputs as the bundle says);
 - ``transfer`` (downloads and uploads by URL), then ``delta`` (the sync delta and the trained
   one), ``artifacts`` (model formats) and ``shards`` (the shared shard cache);
-- ``rounds`` (what tenant code sees, how a round ends) and ``sandbox`` (the sandboxed runner);
+- ``rounds`` (what tenant code sees, how a round ends) and ``reduce`` (the sharded round's
+  partition, shard files and reduction), then ``sandbox`` (the sandboxed runner);
 - ``session``: the session's owner (typed requests, the model file, the manifest, the load
   pipeline, a round's delta shipped);
 - ``configs`` (every part's config, built once from the settings: the only engine module

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from executor.reduce import OuterRule, outer_step
+
 
 def mean_delta(deltas: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The elementwise mean (fp32) of deltas held at once; a key a delta lacks counts as zero.
@@ -43,24 +45,15 @@ class OuterOptimizer:
     def step(
         self, params: Mapping[str, torch.Tensor], avg_delta: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """The next global state from the current one and the averaged delta."""
+        """The next global state from the current one and the averaged delta (the rule shared
+        with the sharded round's reducers: ``executor.reduce.outer_step``)."""
+        rule = OuterRule(self.lr, self.momentum, self.nesterov)
         new: dict[str, torch.Tensor] = {}
         for key, value in params.items():
             if key not in avg_delta or not value.dtype.is_floating_point:
                 new[key] = value
                 continue
-            # g = -avg; v = mu v + g; nesterov: theta - lr (g + mu v), else theta - lr v. In
-            # place where it can be (one pass less over the model per term: bench.goodput "outer").
-            avg = avg_delta[key].to(torch.float32)
-            velocity = self.velocity.get(key)
-            velocity = -avg if velocity is None else velocity.mul_(self.momentum).sub_(avg)
-            self.velocity[key] = velocity
-            if self.nesterov:
-                stepped = torch.add(value.to(torch.float32), avg, alpha=self.lr)
-                stepped.add_(velocity, alpha=-self.lr * self.momentum)
-            else:
-                stepped = torch.add(value.to(torch.float32), velocity, alpha=-self.lr)
-            new[key] = stepped.to(value.dtype)
+            new[key], self.velocity[key] = outer_step(rule, value, avg_delta[key], self.velocity.get(key))
         return new
 
     def eager_gain(self) -> float:

@@ -55,6 +55,7 @@ from executor.delta._sync import (
 )
 from executor.delta._wire import (
     DEFAULT_MAX_DELTA_BYTES,
+    DeltaFile,
     compress_delta,
     read_delta,
     trained_diff,
@@ -66,6 +67,7 @@ __all__ = [
     "DEFAULT_MAX_DELTA_BYTES",
     "DEFAULT_SCHEME",
     "SCHEMES",
+    "DeltaFile",
     "DeltaFormat",
     "ErrorFeedback",
     "QuantScheme",

@@ -36,6 +36,7 @@ RANKS = {
     "executor.artifacts": 4,
     "executor.shards": 4,
     "executor.rounds": 5,
+    "executor.reduce": 5,
     "executor.sandbox": 6,
     "executor.session": 7,
     "executor.configs": 8,  # reads the settings, the only engine module besides the facade
