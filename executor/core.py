@@ -31,7 +31,7 @@ from executor.fileio import own_dir, remove_tree
 from executor.results import ApplyOutcome, ExecutorState, LoadResult, RoundResult
 from executor.rounds import RoundSpec
 from executor.sandbox import ResultState
-from executor.session import LoadRequest, RoundRequest, Session, SessionKeeper, SyncRequest
+from executor.session import LoadRequest, ReduceRequest, RoundRequest, Session, SessionKeeper, SyncRequest
 from executor.shards import ShardCache
 from settings import Settings, get_settings
 
@@ -285,6 +285,10 @@ class Executor:
         self.original_state = self._player.trained = None
         return self._keeper.sync(request)
 
+    def reduce_shard(self, **arguments: Any) -> dict[str, Any]:
+        """One shard of a sharded round reduced on this host, between rounds (docs/SHARDED.md)."""
+        return self._keeper.reduce(ReduceRequest.parse(arguments), self._parts.stop, self.is_running())
+
     def get_original_state(self) -> dict[str, torch.Tensor] | None:
         """The pre-round state from the model file (mmap-backed, loaded on demand)."""
         session = self._keeper.current
@@ -336,14 +340,11 @@ class Executor:
         remove_tree(self.work_dir, ignore_errors=True)
 
     def status(self) -> dict[str, Any]:
-        session = self._keeper.current
         return {
             "host_id": self.config.host_id,
             "pid": os.getpid(),
             "state": self.state.value,
-            "model_hash": session.model_hash if session else None,
-            "tenant": session.tenant if session else None,
-            "num_shards": session.dataset.num_shards if session else 0,
+            **self._keeper.describe(),  # the session's model hash, tenant and shard count
             "cache": self._parts.cache.stats().to_json(),
             "sandbox": self._runner.describe(),
         }

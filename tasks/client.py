@@ -26,6 +26,7 @@ from tasks.names import (
     APPLY_DELTA,
     HEARTBEAT_PATTERN,
     LOAD_MODEL,
+    REDUCE_SHARD,
     RESET,
     RUN_ROUND,
     STATUS,
@@ -176,6 +177,11 @@ class RoundClient:
         if security is not None and security.signer is None:
             raise SigningError(NO_KEY)
         send_sync(self.redis, host, order, security.signer if security is not None else None)
+
+    def reduce_shard(self, host: str, **arguments: Any) -> AsyncResult:
+        """Shard ``arguments["shard"]`` of a sharded round reduced on ``host`` (the arguments of
+        ``tasks.rounds.reduce_shard``; docs/SHARDED.md)."""
+        return self._send(host, REDUCE_SHARD, dict(arguments))
 
     def apply_delta(
         self,

@@ -5,7 +5,7 @@ language it is written in; the worker, :class:`~tasks.client.RoundClient`, the d
 the tests all take them from here.
 
 - tasks (DESIGN §3): ``roundhouse.load_model``, ``.run_round``, ``.apply_delta``,
-  ``.reset``, ``.status``
+  ``.reset``, ``.status``; ``.reduce_shard`` (a sharded round's reduction, docs/SHARDED.md)
 - queue of one worker (§1): ``roundhouse.<host_id>`` (:func:`queue_name`, defined in
   ``settings`` because ``Settings.queue`` needs it too)
 - heartbeat (§5): key ``roundhouse:hosts:<host_id>``, JSON, short TTL
@@ -38,6 +38,7 @@ __all__ = [
     "ENVELOPE_KEY",
     "HEARTBEAT_PATTERN",
     "LOAD_MODEL",
+    "REDUCE_SHARD",
     "RESET",
     "RUN_ROUND",
     "STATUS",
@@ -58,9 +59,10 @@ __all__ = [
 LOAD_MODEL = "roundhouse.load_model"
 RUN_ROUND = "roundhouse.run_round"
 APPLY_DELTA = "roundhouse.apply_delta"
+REDUCE_SHARD = "roundhouse.reduce_shard"
 RESET = "roundhouse.reset"
 STATUS = "roundhouse.status"
-TASK_NAMES = (LOAD_MODEL, RUN_ROUND, APPLY_DELTA, RESET, STATUS)
+TASK_NAMES = (LOAD_MODEL, RUN_ROUND, APPLY_DELTA, REDUCE_SHARD, RESET, STATUS)
 
 # What a signed message binds inside its signed body (see tasks/trust/signing.py).
 ENVELOPE_KEY = "roundhouse_envelope"

@@ -21,7 +21,7 @@ from celery import Celery, Task
 from executor.fileio import atomic_write_json
 from executor.workdir import SessionDir
 from settings import Settings
-from tasks.names import APPLY_DELTA, LOAD_MODEL, RESET, RUN_ROUND, STATUS
+from tasks.names import APPLY_DELTA, LOAD_MODEL, REDUCE_SHARD, RESET, RUN_ROUND, STATUS
 from tasks.overlap import SyncInbox
 from tasks.runtime import runtime
 
@@ -179,6 +179,35 @@ def apply_delta(
         return outcome.to_json()
 
 
+def reduce_shard(
+    self: Task,
+    shard: int,
+    count: int,
+    base_hash: str,
+    contributions: list[dict[str, Any]],
+    sync_url: str,
+    state_url: str,
+    velocity_url: str,
+    velocity: dict[str, Any] | None = None,
+    outer: dict[str, Any] | None = None,
+    sync_dtype: str = "float16",
+    align: int = 4096,
+) -> dict[str, Any]:
+    """One shard of a sharded round, reduced between rounds (docs/SHARDED.md). Its objects are
+    immutable and its outcome deterministic: a redelivered one returns its recorded result."""
+    rt = runtime()
+    task_id = self.request.id
+    with rt.task(task_id, "reduce_shard"):
+        if (done := _recall(task_id)) is not None:
+            return done
+        result = rt.executor.reduce_shard(
+            shard=shard, count=count, base_hash=base_hash, contributions=contributions, sync_url=sync_url,
+            state_url=state_url, velocity_url=velocity_url, velocity=velocity, outer=outer,
+            sync_dtype=sync_dtype, align=align,
+        )  # fmt: skip
+        return _remember(task_id, result)
+
+
 def reset(self: Task, tenant: str | None = None) -> dict[str, Any]:
     rt = runtime()
     with rt.task(self.request.id, "reset"):
@@ -199,6 +228,7 @@ def register(app: Celery, settings: Settings) -> None:
         (LOAD_MODEL, load_model),
         (RUN_ROUND, run_round),
         (APPLY_DELTA, apply_delta),
+        (REDUCE_SHARD, reduce_shard),
         (RESET, reset),
         (STATUS, status),
     ):

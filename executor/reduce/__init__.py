@@ -22,7 +22,7 @@ from executor.reduce._partition import (
     model_partition,
     partition,
 )
-from executor.reduce._reducer import ReducedShard, reduce_shard
+from executor.reduce._reducer import ReducedShard, ShardSum, reduce_shard
 from executor.reduce._shardfile import read_delta_shard, read_slice, shard_bound, write_delta_shards
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "OuterRule",
     "Partition",
     "ReducedShard",
+    "ShardSum",
     "Slice",
     "align_for",
     "flat_slice",

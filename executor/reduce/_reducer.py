@@ -29,6 +29,49 @@ class ReducedShard:
     velocity: dict[str, torch.Tensor]
 
 
+class ShardSum:
+    """The contributors' slices of one shard summed in fp32 **in the order they are added** (the
+    caller adds them in sorted host order), one held at a time; then the shard's reduction."""
+
+    def __init__(self) -> None:
+        self._total: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, delta: Mapping[str, torch.Tensor]) -> None:
+        for key in sorted(delta):
+            total = self._total.get(key)
+            if total is None:
+                self._total[key] = delta[key].to(torch.float32, copy=True)
+            else:
+                total.add_(delta[key])  # cast element by element, as the star path's sum
+        self.count += 1
+
+    def reduce(
+        self,
+        rule: OuterRule,
+        theta: Mapping[str, torch.Tensor],
+        velocity: Mapping[str, torch.Tensor] | None,
+        sync_dtype: torch.dtype,
+    ) -> ReducedShard:
+        """``theta``: the shard's slices of the global model (key -> 1-D); ``velocity``: the
+        shard's state from the last round (None: the first). The sum is spent."""
+        if not self.count:
+            raise ValueError("a shard is reduced from at least one delta")
+        kept = dict(velocity or {})
+        sync: dict[str, torch.Tensor] = {}
+        result: dict[str, torch.Tensor] = {}
+        for key in sorted(theta):
+            value, total = theta[key], self._total.pop(key, None)
+            if total is None:
+                result[key] = apply_rule(value, None)
+                continue
+            stepped, kept[key] = outer_step(rule, value, total.div_(self.count), kept.get(key))
+            sync[key] = (stepped.to(torch.float32) - value.to(torch.float32)).to(sync_dtype).contiguous()
+            result[key] = apply_rule(value, sync[key])
+        self._total = {}
+        return ReducedShard(sync, result, kept)
+
+
 def reduce_shard(
     rule: OuterRule,
     theta: Mapping[str, torch.Tensor],
@@ -36,25 +79,8 @@ def reduce_shard(
     velocity: Mapping[str, torch.Tensor] | None,
     sync_dtype: torch.dtype,
 ) -> ReducedShard:
-    """``theta``: the shard's slices of the global model (key -> 1-D); ``deltas``: each
-    contributor's slices, **in sorted host order**; ``velocity``: the shard's state from the
-    last round (None: the first)."""
-    if not deltas:
-        raise ValueError("a shard is reduced from at least one delta")
-    kept = dict(velocity or {})
-    sync: dict[str, torch.Tensor] = {}
-    result: dict[str, torch.Tensor] = {}
-    for key in sorted(theta):
-        value = theta[key]
-        total: torch.Tensor | None = None
-        for delta in deltas:
-            part = delta.get(key)
-            if part is not None:
-                total = part.to(torch.float32, copy=True) if total is None else total.add_(part)
-        if total is None:
-            result[key] = value
-            continue
-        stepped, kept[key] = outer_step(rule, value, total.div_(len(deltas)), kept.get(key))
-        sync[key] = (stepped.to(torch.float32) - value.to(torch.float32)).to(sync_dtype).contiguous()
-        result[key] = apply_rule(value, sync[key])
-    return ReducedShard(sync, result, kept)
+    """:class:`ShardSum` of ``deltas`` (**in sorted host order**), reduced."""
+    total = ShardSum()
+    for delta in deltas:
+        total.add(delta)
+    return total.reduce(rule, theta, velocity, sync_dtype)

@@ -15,6 +15,8 @@ and hands it to the :class:`SessionKeeper`, which owns the rest:
 - ``_manifest``: ``session.json`` (``Manifest``), what a replacement process resumes from;
 - ``_loading``: the load pipeline (model, first shard and runner start at once);
 - ``_shipping``: a round's trained delta written and uploaded;
+- ``_reducing``: ``reduce_shard``, one shard of a sharded round reduced on this host
+  (``ReduceRequest``, checked once where it enters);
 - ``_keeper``: ``SessionKeeper`` and its ``SessionConfig``.
 
 Inside the package each module imports only those above it in this list.
@@ -24,6 +26,7 @@ from executor.session._keeper import SessionConfig, SessionKeeper
 from executor.session._manifest import Manifest, drop_manifest, read_manifest
 from executor.session._model import InstalledModel, ModelFiles, ModelLimits, model_fingerprint
 from executor.session._overlap import NotInSync, Overlap, OverlapSpec
+from executor.session._reducing import ReduceRequest, reduce_on_host
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._state import Session
 from executor.session._working import WorkingCopy
@@ -38,6 +41,7 @@ __all__ = [
     "Overlap",
     "OverlapSpec",
     "QuantConfig",
+    "ReduceRequest",
     "RoundRequest",
     "Session",
     "SessionConfig",
@@ -47,4 +51,5 @@ __all__ = [
     "drop_manifest",
     "model_fingerprint",
     "read_manifest",
+    "reduce_on_host",
 ]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ from executor.session._loading import LoadPipeline
 from executor.session._manifest import read_manifest, write_manifest
 from executor.session._model import ModelFiles, ModelLimits
 from executor.session._overlap import Overlap, RoundEnd
+from executor.session._reducing import ReduceRequest, reduce_on_host
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._shipping import ship_delta, ship_overlapped
 from executor.session._state import Session
@@ -186,6 +189,26 @@ class SessionKeeper:
         return ship_delta(
             session.start_path, trained, request, work_dir=self.work_dir,
             transfer_config=self._transfer, abort=self._stop, error_feedback=feedback,
+        )  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        """The session's part of the worker's status."""
+        session = self.current
+        return {
+            "model_hash": session.model_hash if session else None,
+            "tenant": session.tenant if session else None,
+            "num_shards": session.dataset.num_shards if session else 0,
+        }
+
+    def reduce(self, request: ReduceRequest, abort: threading.Event, running: bool) -> dict[str, Any]:
+        """One shard of a sharded round reduced against the session's model (``_reducing``),
+        between rounds (``running``: a round is, and the reduce is refused)."""
+        if running:
+            raise InvalidRequest("a round is running on this worker: reduce_shard runs between rounds")
+        session = self.require()
+        return reduce_on_host(
+            request, session.model_path, session.model_hash, work_dir=self.work_dir,
+            transfer_config=self._transfer, abort=abort,
         )  # fmt: skip
 
     def sync(self, request: SyncRequest) -> ApplyOutcome:

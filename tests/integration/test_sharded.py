@@ -1,0 +1,194 @@
+"""``reduce_shard`` through real workers (docs/SHARDED.md): two hosts each reduce one shard of two
+rounds of three contributors' deltas, and the sync and state shards they PUT are, bit for bit,
+the star path's outer step, sync delta and velocity on the same deltas (the velocity carried between rounds
+as store objects); a contribution that does not match its hash fails the reduce naming its host;
+a host that does not hold the round's base model, or a malformed request, is refused."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from executor.delta import make_sync_delta, read_delta, state_hash, write_delta
+from executor.reduce import model_partition, read_delta_shard, write_delta_shards
+from executor.tensorfile import read_header
+from orchestrator.artifacts import ArtifactServer
+from orchestrator.collect import describe
+from orchestrator.demo import TRAIN, build_model, build_shards
+from orchestrator.outer import OuterOptimizer
+from settings import Settings
+from tasks.client import RoundClient
+from tests.support.redis_server import RedisServer
+from tests.support.worker import WorkerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+HOSTS = ["sh-a", "sh-b"]
+CONTRIBUTORS = ["sh-c", "sh-a", "sh-b"]  # the deltas' hosts (a third that reduces nothing), unsorted
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    redis_server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    cache = tmp_path_factory.mktemp("cache")
+    workers = [WorkerProcess(h, redis_server.url, tmp_path_factory.mktemp(h), cache_dir=cache) for h in HOSTS]
+    threads = [threading.Thread(target=w.start) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with ArtifactServer(tmp_path_factory.mktemp("artifacts")) as store:
+        client = RoundClient(Settings(broker_url=redis_server.url, host_id="sh-orchestrator"))
+        yield client, store
+    for worker in workers:
+        worker.stop()
+    redis_server.stop()
+
+
+def load(client: RoundClient, store: ArtifactServer, state: dict[str, torch.Tensor], tmp_path: Path) -> str:
+    save_file(state, str(tmp_path / "model.safetensors"))
+    url = store.publish("model.safetensors", tmp_path / "model.safetensors")
+    shards = [
+        {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
+        for name, path in build_shards(tmp_path)
+    ]
+    for task in [client.load_model(h, url, shards, TRAIN, tenant="sharded") for h in HOSTS]:
+        task.get(timeout=120)
+    return url
+
+
+def contributions(
+    store: ArtifactServer, theta: dict[str, torch.Tensor], round_num: int, tmp_path: Path
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, torch.Tensor]]]:
+    """Each contributor's trained state written as two shard objects (as its host would);
+    returns the shard-0/1 task entries per shard and each host's whole delta as read back."""
+    save_file(theta, str(tmp_path / "theta.safetensors"))
+    with open(tmp_path / "theta.safetensors", "rb") as f:
+        split = model_partition(read_header(f).specs, 2)
+    entries: list[dict[str, Any]] = [{"list": []}, {"list": []}]
+    deltas: dict[str, dict[str, torch.Tensor]] = {}
+    for n, host in enumerate(CONTRIBUTORS):
+        g = torch.Generator().manual_seed(100 * round_num + n)
+        trained = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in theta.items()}
+        paths = [str(tmp_path / f"r{round_num}-{host}-{j}") for j in range(2)]
+        # float32: summed in another order, float16 values would still add up exactly in fp32
+        files = write_delta_shards(str(tmp_path / "theta.safetensors"), trained, split, torch.float32, paths)
+        whole: dict[str, list[torch.Tensor]] = {}
+        for j, (path, written) in enumerate(zip(paths, files, strict=True)):
+            url = store.publish(f"rounds/{round_num}/delta/{host}/{j}", path)
+            entries[j]["list"].append({"host": host, "url": url, "hash": written.hash})
+            for key, value in read_delta_shard(path, split, j).items():
+                whole.setdefault(key, []).append(value)
+        deltas[host] = {k: torch.cat(v).reshape(theta[k].shape) for k, v in whole.items()}
+    return [e["list"] for e in entries], deltas
+
+
+Lists = list[list[dict[str, Any]]]
+
+
+def reduce_round(
+    client: RoundClient,
+    store: ArtifactServer,
+    round_num: int,
+    base_hash: str,
+    lists: Lists,
+    velocity: list[dict[str, str] | None],
+) -> list[dict[str, Any]]:
+    tasks = [
+        client.reduce_shard(
+            host,
+            shard=j,
+            count=2,
+            base_hash=base_hash,
+            contributions=lists[j],
+            velocity=velocity[j],
+            sync_url=store.url_put(f"rounds/{round_num}/sync/{j}"),
+            state_url=store.url_put(f"rounds/{round_num}/state/{j}"),
+            velocity_url=store.url_put(f"rounds/{round_num}/velocity/{j}"),
+        )
+        for j, host in enumerate(HOSTS)
+    ]
+    return [task.get(timeout=120) for task in tasks]
+
+
+def test_two_reducers_make_the_star_paths_sync_bit_for_bit_over_two_rounds(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    client, store = cluster
+    theta = build_model()
+    model_url = load(client, store, theta, tmp_path)
+    star = OuterOptimizer()
+    velocity: list[dict[str, str] | None] = [None, None]
+    for round_num in range(2):
+        base_hash = state_hash(theta)
+        lists, deltas = contributions(store, theta, round_num, tmp_path)
+        results = reduce_round(client, store, round_num, base_hash, lists, velocity)
+        # The star path: the mean in sorted host order, its outer step and float16 sync delta.
+        order = sorted(deltas)
+        mean = {k: sum((deltas[h][k] for h in order[1:]), deltas[order[0]][k].float()) / 3 for k in theta}
+        sync = make_sync_delta(theta, star.step(theta, mean), base_hash=base_hash)
+        pieces: dict[str, dict[str, list[torch.Tensor]]] = {"sync": {}, "state": {}, "velocity": {}}
+        for j, result in enumerate(results):
+            assert result["contributors"] == sorted(CONTRIBUTORS) and result["shard"] == j
+            for name in pieces:
+                local = tmp_path / f"{name}-{round_num}-{j}"
+                store.fetch(f"rounds/{round_num}/{name}/{j}", local)
+                values = read_delta(str(local))
+                assert state_hash(values) == result[name]["hash"]
+                for key, value in values.items():
+                    pieces[name].setdefault(key, []).append(value)
+        for key in theta:
+            assert torch.equal(torch.cat(pieces["sync"][key]), sync.delta[key].reshape(-1)), key
+            assert torch.equal(torch.cat(pieces["state"][key]), sync.result[key].reshape(-1)), key
+            # float32: the sum's order shows here (the float16 sync can round it away)
+            assert torch.equal(torch.cat(pieces["velocity"][key]), star.velocity[key].reshape(-1)), key
+        velocity = [
+            {"url": store.url_get(f"rounds/{round_num}/velocity/{j}"), "hash": r["velocity"]["hash"]}
+            for j, r in enumerate(results)
+        ]
+        # Every host takes the round's sync (here the star path's, through apply_delta) and
+        # holds the model the next round's reducers step from.
+        delta_file = tmp_path / f"sync-{round_num}"
+        write_delta(sync.delta, str(delta_file))
+        delta_url = store.publish(f"rounds/{round_num}/star-sync", delta_file)
+        for task in [
+            client.apply_delta(
+                h, model_url, delta_url=delta_url, base_hash=base_hash, result_hash=sync.result_hash
+            )
+            for h in HOSTS
+        ]:
+            assert task.get(timeout=120)["via"] == "delta"
+        theta = sync.result
+
+
+def test_a_bad_contribution_a_wrong_base_and_a_malformed_request_are_refused(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    client, store = cluster
+    theta = build_model()
+    load(client, store, theta, tmp_path)
+    base_hash = state_hash(theta)
+    lists, _ = contributions(store, theta, 7, tmp_path)
+    forged = [dict(entry) for entry in lists[0]]
+    forged[1]["hash"] = "sha256:" + "0" * 64  # sh-a's shard does not match what it reported
+    with pytest.raises(Exception) as refused:
+        reduce_round(client, store, 7, base_hash, [forged, lists[1]], [None, None])
+    said = describe(refused.value)
+    assert "bad_artifact" in said and "sh-a" in said, said
+    with pytest.raises(Exception) as stale:
+        reduce_round(client, store, 8, "sha256:" + "1" * 64, lists, [None, None])
+    assert "hash_mismatch" in describe(stale.value), describe(stale.value)
+    for bad in ({"shard": 2}, {"contributions": []}, {"outer": {"lr": float("nan")}}, {"sync_url": None}):
+        arguments: dict[str, Any] = {
+            "shard": 0, "count": 2, "base_hash": base_hash, "contributions": lists[0],
+            "sync_url": store.url_put("x/sync"), "state_url": store.url_put("x/state"),
+            "velocity_url": store.url_put("x/velocity"), **bad,
+        }  # fmt: skip
+        with pytest.raises(Exception) as malformed:
+            client.reduce_shard(HOSTS[0], **arguments).get(timeout=60)
+        assert "invalid_request" in describe(malformed.value), (bad, describe(malformed.value))
+    # The worker is none the worse: it still reduces.
+    assert reduce_round(client, store, 9, base_hash, lists, [None, None])[0]["contributors"] == sorted(
+        CONTRIBUTORS
+    )
