@@ -66,6 +66,8 @@ class DeltaInfo:
     upload_s: float = 0.0
     # An overlapped round's: PUT beside the next round, its end reported in the heartbeat.
     deferred: bool = False
+    # A sharded round's: each shard's {"hash", "bytes"}, in shard order (``hash`` is None then).
+    shards: tuple[dict[str, Any], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes": self.bytes, "hash": self.hash, "dtype": self.dtype, "keys": self.keys}
@@ -76,6 +78,8 @@ class DeltaInfo:
             out["url"] = self.url
         if self.path is not None:
             out["path"] = self.path
+        if self.shards is not None:
+            out["shards"] = list(self.shards)
         return out
 
 

@@ -15,6 +15,8 @@ and hands it to the :class:`SessionKeeper`, which owns the rest:
 - ``_manifest``: ``session.json`` (``Manifest``), what a replacement process resumes from;
 - ``_loading``: the load pipeline (model, first shard and runner start at once);
 - ``_shipping``: a round's trained delta written and uploaded;
+- ``_assembling``: a sharded round's sync: its N shards applied, each checked, or the model
+  assembled from the round's state shards;
 - ``_reducing``: ``reduce_shard``, one shard of a sharded round reduced on this host
   (``ReduceRequest``, checked once where it enters);
 - ``_keeper``: ``SessionKeeper`` and its ``SessionConfig``.

@@ -26,6 +26,7 @@ from executor.errors import ErrorInfo, HashMismatch, InvalidRequest, RoundhouseE
 from executor.fileio import empty_dir, remove_quietly
 from executor.results import ApplyOutcome, DeltaInfo, LoadResult, RoundResult
 from executor.rounds import RoundOutcome, RoundRunner, round_result
+from executor.session._assembling import sync_sharded
 from executor.session._loading import LoadPipeline
 from executor.session._manifest import read_manifest, write_manifest
 from executor.session._model import ModelFiles, ModelLimits
@@ -218,13 +219,19 @@ class SessionKeeper:
         placement.empty_device_cache()
         self.end_overlap()  # the model is the global one now: no round's own progress rides on it
         session = self.current
-        synced = self.models.sync(
-            session.model if session else None,
-            request.model_url,
-            request.delta_url,
-            request.base_hash,
-            request.result_hash,
-        )
+        if request.sharded is not None:  # a sharded round's N shards (docs/SHARDED.md)
+            synced = sync_sharded(
+                self.models, session.model if session else None, request.model_url, request.base_hash,
+                request.sharded, self._stop, self._transfer,
+            )  # fmt: skip
+        else:
+            synced = self.models.sync(
+                session.model if session else None,
+                request.model_url,
+                request.delta_url,
+                request.base_hash,
+                request.result_hash,
+            )
         if session is not None:
             session.update(synced.model, request.params, request.descriptors)
             write_manifest(session, self.work_dir)

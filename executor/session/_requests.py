@@ -17,6 +17,7 @@ import torch
 
 from executor.delta import DEFAULT_SCHEME, DeltaFormat, QuantScheme, check_scheme
 from executor.errors import InvalidRequest
+from executor.reduce import MAX_SHARDS, SHARD_ALIGN
 from executor.rounds import RoundSpec, validate_script
 from executor.session._overlap import OverlapSpec
 from executor.shards import ShardDescriptor, check_tenant
@@ -137,6 +138,8 @@ class RoundRequest:
     delta_url: Url | None = None
     delta_format: DeltaFormat = torch.float16
     overlap: OverlapSpec | None = None  # an overlapped session's round (executor.session._overlap)
+    # A sharded round's (docs/SHARDED.md): ``delta_url`` given as a list, one URL per shard.
+    delta_shards: tuple[Url, ...] | None = None
 
     @classmethod
     def parse(
@@ -173,11 +176,66 @@ class RoundRequest:
     def shipping_to(
         self, delta_url: object, delta_format: DeltaFormat, policy: UrlCheck | None = None
     ) -> RoundRequest:
-        """This round with its delta sent elsewhere (the seed's ``finish_round`` names it late)."""
+        """This round with its delta sent elsewhere (the seed's ``finish_round`` names it late).
+        A list of URLs: the delta as that many shards of a sharded round, one PUT each
+        (``executor.reduce``; float dtypes, sequential rounds)."""
+        if isinstance(delta_url, (list, tuple)):
+            return self._sharded(delta_url, delta_format, policy)
         url = optional_url("delta_url", delta_url)
         if url is not None and policy is not None:
             policy(url)
-        return replace(self, delta_url=url, delta_format=delta_format)
+        return replace(self, delta_url=url, delta_format=delta_format, delta_shards=None)
+
+    def _sharded(
+        self, urls: Sequence[object], delta_format: DeltaFormat, policy: UrlCheck | None
+    ) -> RoundRequest:
+        if not 2 <= len(urls) <= MAX_SHARDS:
+            raise InvalidRequest(f"a sharded delta_url is a list of 2-{MAX_SHARDS} URLs, got {len(urls)}")
+        if not isinstance(delta_format, torch.dtype):
+            raise InvalidRequest("a sharded round ships a float delta (float16, bfloat16 or float32)")
+        if self.overlap is not None:
+            raise InvalidRequest("a sharded round is not overlapped (docs/SHARDED.md)")
+        shards = tuple(required_url(f"delta_url[{n}]", url) for n, url in enumerate(urls))
+        if policy is not None:
+            for url in shards:
+                policy(url)
+        return replace(self, delta_url=None, delta_format=delta_format, delta_shards=shards)
+
+
+@dataclass(frozen=True)
+class SyncShard:
+    url: Url
+    hash: str
+    result_hash: str
+    state_url: Url | None
+
+
+@dataclass(frozen=True)
+class ShardedSync:
+    """``apply_delta``'s ``delta_url`` given as the round's N shards (a list of objects)."""
+
+    shards: tuple[SyncShard, ...]
+    align: int = SHARD_ALIGN
+
+    @classmethod
+    def parse(cls, value: object) -> ShardedSync:
+        if not isinstance(value, (list, tuple)) or not 2 <= len(value) <= MAX_SHARDS:
+            raise InvalidRequest(f"a sharded sync is a list of 2-{MAX_SHARDS} shards")
+        shards = []
+        for n, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise InvalidRequest(f"sync shard {n} must be an object: url, hash, result_hash, state_url")
+            hashes = [item.get("hash"), item.get("result_hash")]
+            if not all(isinstance(h, str) and h.partition(":")[2] for h in hashes):
+                raise InvalidRequest(f"sync shard {n} needs its hash and result_hash")
+            state = item.get("state_url")
+            shards.append(
+                SyncShard(
+                    required_url(f"sync shard {n} url", item.get("url")), str(hashes[0]), str(hashes[1]),
+                    required_url(f"sync shard {n} state_url", state) if state is not None else None,
+                )
+            )  # fmt: skip
+        return cls(tuple(shards))
 
 
 @dataclass(frozen=True)
@@ -191,6 +249,7 @@ class SyncRequest:
     result_hash: str | None
     params: dict[str, Any] | None
     descriptors: list[ShardDescriptor] | None
+    sharded: ShardedSync | None = None  # a sharded round's: ``delta_url`` given as its N shards
 
     @classmethod
     def parse(
@@ -206,11 +265,13 @@ class SyncRequest:
         for name, value in (("base_hash", base_hash), ("result_hash", result_hash)):
             if value is not None and not isinstance(value, str):
                 raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
+        sharded = ShardedSync.parse(delta_url) if isinstance(delta_url, (list, tuple)) else None
         return cls(
             url,
-            optional_url("delta_url", delta_url),
+            None if sharded is not None else optional_url("delta_url", delta_url),
             base_hash or None,  # type: ignore[arg-type]
             result_hash or None,  # type: ignore[arg-type]
             check_params(params) if params is not None else None,
             check_shards(dataset_shards) if dataset_shards is not None else None,
+            sharded,
         )

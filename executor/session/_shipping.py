@@ -22,13 +22,22 @@ from dataclasses import replace
 import torch
 
 from executor import transfer
-from executor.delta import ErrorFeedback, QuantScheme, file_state_hash, write_result_delta
+from executor.delta import (
+    ErrorFeedback,
+    QuantScheme,
+    file_state_hash,
+    format_name,
+    trained_keys,
+    write_result_delta,
+)
 from executor.errors import map_exceptions
+from executor.fileio import remove_quietly
+from executor.reduce import model_partition, write_delta_shards
 from executor.results import DeltaInfo
 from executor.session._overlap import KeptDelta, Overlap
 from executor.session._requests import RoundRequest
 from executor.session._state import Session
-from executor.tensorfile import dtype_name
+from executor.tensorfile import dtype_name, read_header
 from executor.workdir import SessionDir
 
 
@@ -46,6 +55,8 @@ def ship_delta(
     """Write the trained delta (a zero delta when nothing was saved) and upload it; ``defer``
     (an overlapped round's quantised delta): written only, its ``path`` returned, for the
     rebase and the upload that runs beside the next round (:func:`ship_overlapped`)."""
+    if request.delta_shards is not None:
+        return ship_shards(model_path, trained, request, work_dir, transfer_config, abort)
     dirs = SessionDir(work_dir)
     os.makedirs(dirs.deltas, exist_ok=True)
     path = dirs.round_delta(request.spec.round_num)
@@ -77,6 +88,41 @@ def ship_delta(
             with map_exceptions({}, where="the work dir (error feedback)"):
                 residual.commit()
     return info
+
+
+def ship_shards(
+    model_path: str,
+    trained: Mapping[str, torch.Tensor] | None,
+    request: RoundRequest,
+    work_dir: str,
+    transfer_config: transfer.TransferConfig,
+    abort: threading.Event,
+) -> DeltaInfo:
+    """A sharded round's delta (docs/SHARDED.md): ``trained - original`` written as the
+    partition's shard files in one pass over the model, each hashed as written, then PUT to its
+    URL in shard order; the result reports each shard's hash and size."""
+    urls = request.delta_shards or ()
+    dirs = SessionDir(work_dir)
+    os.makedirs(dirs.deltas, exist_ok=True)
+    paths = [dirs.round_delta(request.spec.round_num) + f".shard-{n}" for n in range(len(urls))]
+    started = time.monotonic()
+    try:
+        with map_exceptions({}, where="the work dir (trained delta)"):
+            with open(model_path, "rb") as model:
+                header = read_header(model)
+            split, keys = model_partition(header.specs, len(urls)), len(trained_keys(header, trained or {}))
+            written = write_delta_shards(model_path, trained or {}, split, request.delta_format, paths)
+        wrote = time.monotonic()
+        for path, url in zip(paths, urls, strict=True):
+            transfer.upload(path, url, config=transfer_config, abort=abort)
+    finally:
+        for path in paths:
+            remove_quietly(path)
+    return DeltaInfo(
+        sum(w.bytes for w in written), None, format_name(request.delta_format), keys,
+        write_s=wrote - started, upload_s=time.monotonic() - wrote, url=str(urls[0]) if urls else None,
+        shards=tuple({"hash": w.hash, "bytes": w.bytes} for w in written),
+    )  # fmt: skip
 
 
 def ship_overlapped(

@@ -57,7 +57,9 @@ def load(client: RoundClient, store: ArtifactServer, state: dict[str, torch.Tens
         {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
         for name, path in build_shards(tmp_path)
     ]
-    for task in [client.load_model(h, url, shards, TRAIN, tenant="sharded") for h in HOSTS]:
+    for task in [
+        client.load_model(h, url, shards, TRAIN, params={"lr": 0.2}, tenant="sharded") for h in HOSTS
+    ]:
         task.get(timeout=120)
     return url
 
@@ -192,3 +194,93 @@ def test_a_bad_contribution_a_wrong_base_and_a_malformed_request_are_refused(clu
     assert reduce_round(client, store, 9, base_hash, lists, [None, None])[0]["contributors"] == sorted(
         CONTRIBUTORS
     )
+
+
+def test_a_sharded_round_end_to_end_leaves_every_host_on_the_star_paths_model(
+    cluster, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Each host trains and PUTs its delta as two shards, each reduces one shard of both, and
+    each applies the two sync shards: both end on one model, whose hash is the star path's on the
+    same deltas. A host that does not hold the base, and one given a forged sync shard, assembles
+    the same model from the state shards instead; a forged state shard fails the sync."""
+    client, store = cluster
+    theta = build_model()
+    model_url = load(client, store, theta, tmp_path)
+    base_hash = state_hash(theta)
+    rounds = [
+        client.run_round(
+            h, steps=5, round_num=0, delta_url=[store.url_put(f"e2e/delta/{h}/{j}") for j in range(2)]
+        )
+        for h in HOSTS
+    ]
+    results = dict(zip(HOSTS, [task.get(timeout=180) for task in rounds], strict=True))
+    for result in results.values():
+        assert result["status"] == "completed" and result["delta"]["hash"] is None, result
+        assert [s["hash"] for s in result["delta"]["shards"]] and len(result["delta"]["shards"]) == 2
+    lists = [
+        [
+            {
+                "host": h,
+                "url": store.url_get(f"e2e/delta/{h}/{j}"),
+                "hash": results[h]["delta"]["shards"][j]["hash"],
+            }
+            for h in HOSTS
+        ]
+        for j in range(2)
+    ]
+    reduced = [
+        client.reduce_shard(
+            host,
+            shard=j,
+            count=2,
+            base_hash=base_hash,
+            contributions=lists[j],
+            sync_url=store.url_put(f"e2e/sync/{j}"),
+            state_url=store.url_put(f"e2e/state/{j}"),
+            velocity_url=store.url_put(f"e2e/velocity/{j}"),
+        ).get(timeout=120)
+        for j, host in enumerate(HOSTS)
+    ]
+    # The star path on the same deltas (each host's shards read back whole, sorted host order).
+    save_file(theta, str(tmp_path / "theta.safetensors"))
+    with open(tmp_path / "theta.safetensors", "rb") as f:
+        split = model_partition(read_header(f).specs, 2)
+    deltas: dict[str, dict[str, torch.Tensor]] = {}
+    for host in HOSTS:
+        parts: dict[str, list[torch.Tensor]] = {}
+        for j in range(2):
+            store.fetch(f"e2e/delta/{host}/{j}", tmp_path / f"e2e-{host}-{j}")
+            for key, value in read_delta_shard(str(tmp_path / f"e2e-{host}-{j}"), split, j).items():
+                parts.setdefault(key, []).append(value.float())
+        deltas[host] = {k: torch.cat(v).reshape(theta[k].shape) for k, v in parts.items()}
+    mean = {k: (deltas[HOSTS[0]][k] + deltas[HOSTS[1]][k]) / 2 for k in deltas[HOSTS[0]]}
+    expected = make_sync_delta(theta, OuterOptimizer().step(theta, mean), base_hash=base_hash).result_hash
+    shards = [
+        {
+            "url": store.url_get(f"e2e/sync/{j}"),
+            "hash": r["sync"]["hash"],
+            "result_hash": r["result_hash"],
+            "state_url": store.url_get(f"e2e/state/{j}"),
+        }
+        for j, r in enumerate(reduced)
+    ]
+    applied = client.apply_delta(HOSTS[0], model_url, delta_url=shards, base_hash=base_hash).get(timeout=120)
+    assert applied["via"] == "delta" and applied["model_hash"] == expected, applied
+    # A sync shard that does not match the hash its reducer reported: the model is assembled
+    # from the state shards instead, and is the same.
+    forged = [dict(shards[0], hash="sha256:" + "0" * 64), shards[1]]
+    assembled = client.apply_delta(HOSTS[1], model_url, delta_url=forged, base_hash=base_hash).get(
+        timeout=120
+    )
+    assert assembled["via"] == "full" and assembled["model_hash"] == expected, assembled
+    assert assembled["fallback"]["code"] == "hash_mismatch", assembled
+    assert {client.status(h).get(timeout=30)["model_hash"] for h in HOSTS} == {expected}
+    # Not on the base any more (it holds the result): the model is assembled from the state shards.
+    again = client.apply_delta(HOSTS[0], model_url, delta_url=shards, base_hash=base_hash).get(timeout=120)
+    assert again["via"] == "full" and again["model_hash"] == expected, again
+    # A state shard that does not match its hash is refused too: the sync fails, the model stays.
+    bad_state = [shards[0], dict(shards[1], result_hash="sha256:" + "0" * 64)]
+    with pytest.raises(Exception) as refused:
+        client.apply_delta(HOSTS[0], model_url, delta_url=bad_state, base_hash=base_hash).get(timeout=120)
+    assert "hash_mismatch" in describe(refused.value), describe(refused.value)
+    assert client.status(HOSTS[0]).get(timeout=30)["model_hash"] == expected
