@@ -20,6 +20,8 @@ only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.over
 - ``records``: what a session trains (``Session``) and what each round did (``RoundSummary``)
 - ``overlap``: overlapped rounds: the next round trains while the last one's sync is built,
   published and ordered on the hosts (docs/OVERLAP.md)
+- ``sharded``: sharded rounds: the hosts reduce each round among themselves, no tensor byte
+  through the orchestrator (docs/SHARDED.md)
 - ``diloco``: the ``ArtifactStore`` protocol and the ``Orchestrator`` (the sequential round)
 - ``progress``: what ``roundhouse train`` and ``demo`` show (live progress, the loss)
 - ``train``: ``roundhouse train``, DiLoCo training of a user's own model

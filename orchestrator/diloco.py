@@ -52,6 +52,7 @@ from orchestrator.outer import OuterOptimizer, mean_delta
 from orchestrator.overlap import OverlappedLoop, await_uploads
 from orchestrator.phases import PhaseClock, worker_phases
 from orchestrator.records import RoundSummary, Session
+from orchestrator.sharded import ShardedLoop, ShardedState, checked_sharding
 from tasks.client import RoundClient
 
 __all__ = [
@@ -117,6 +118,7 @@ class Orchestrator:
         )  # fmt: skip
         self.waiter = Waiter(client, self.membership.alive)
         self.elastic = Elastic(self)
+        self.sharded = ShardedState(checked_sharding(session), self._run_id)
         self._model_name = self._publish_global(self._model_file(self.global_state))
 
     # ------------------------------------------------------------ start, resume
@@ -129,6 +131,8 @@ class Orchestrator:
         process's round in flight is stopped, and its hosts rejoin at the next boundary
         (those that hold the checkpointed model without being loaded again)."""
         saved = StateDir(state_dir).load()
+        if saved.session.get("aggregation") == "sharded":
+            raise RuntimeError("a sharded session cannot be resumed yet (docs/SHARDED.md)")
         outer = OuterOptimizer(**saved.outer, velocity=saved.velocity)
         self = cls(
             client, store, saved.model, Session.from_json(saved.session), outer=outer,
@@ -158,6 +162,8 @@ class Orchestrator:
         """Every round from the next one to ``rounds`` (the history has them all)."""
         if self.session.overlap:
             return OverlappedLoop(self).run(rounds)
+        if self.session.aggregation == "sharded":
+            return ShardedLoop(self).run(rounds)
         self.total_rounds = rounds
         for round_num in range(self.next_round, rounds):
             self.round(round_num, rounds)
@@ -348,6 +354,23 @@ class Orchestrator:
         name = f"model/global-{self.round_done + 1}.safetensors"
         self.store.publish(name, path)
         return name
+
+    def rejoin(self, host: str, shards: list[dict[str, Any]]) -> Any:
+        """``apply_delta`` that brings a host that holds this session to the global model: the
+        full model, or in a sharded session once a round has reduced, the model assembled from
+        its state shards and the session's first model (its layout)."""
+        if self.sharded.state:
+            return self.client.apply_delta(
+                host, self.model_url(), delta_url=self.sharded.sync_shards(self.store),
+                params=self.session.params, dataset_shards=shards,
+            )  # fmt: skip
+        return self.client.apply_delta(
+            host,
+            self.model_url(),
+            result_hash=self.global_hash,
+            params=self.session.params,
+            dataset_shards=shards,
+        )
 
     def model_url(self) -> str:
         return self.store.url_get(self._model_name, self.session.url_ttl_s)

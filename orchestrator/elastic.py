@@ -56,6 +56,8 @@ class Driver(Protocol):
 
     def model_url(self) -> str: ...
 
+    def rejoin(self, host: str, shards: list[dict[str, Any]]) -> Any: ...
+
     def shard_descriptors(self) -> list[dict[str, Any]]: ...
 
     def note(self, host: str | None, event: str, round_num: int, **data: Any) -> None: ...
@@ -97,13 +99,7 @@ class Elastic:
             kind = join_kind(member, beats[host], o.session.tenant)
             shards = o.shard_descriptors()
             if kind == "apply":
-                task = o.client.apply_delta(
-                    host,
-                    o.model_url(),
-                    result_hash=o.global_hash,
-                    params=o.session.params,
-                    dataset_shards=shards,
-                )
+                task = o.rejoin(host, shards)
             else:
                 task = o.client.load_model(
                     host, o.model_url(), shards, o.session.code, batch_size=o.session.batch_size,

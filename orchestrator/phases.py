@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from typing import Any
 
 # In loop order; a round that skips one (no sync when the model is kept) leaves it out.
-PHASES = ("dispatch", "wait", "fold", "outer", "sync_build", "publish", "apply")
+# "reduce": a sharded round's reduce_shard tasks on the hosts (orchestrator.sharded).
+PHASES = ("dispatch", "wait", "fold", "reduce", "outer", "sync_build", "publish", "apply")
 
 
 class PhaseClock:

@@ -69,6 +69,11 @@ class Session:
     url_ttl_s: float = 6 * 3600.0
     # Round k+1 trains while round k's deltas are folded (orchestrator.overlap, docs/OVERLAP.md).
     overlap: bool = False
+    # "star": the orchestrator folds every delta; "sharded": the hosts reduce the round among
+    # themselves over ``shard_count`` shards (default: max_hosts, else the starting hosts;
+    # orchestrator.sharded, docs/SHARDED.md).
+    aggregation: str = "star"
+    shard_count: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

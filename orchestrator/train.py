@@ -67,6 +67,11 @@ def parser(prog: str = "roundhouse train") -> argparse.ArgumentParser:
     how.add_argument(
         "--overlap", action="store_true", help="the next round trains while the last syncs (docs/OVERLAP.md)"
     )
+    how.add_argument(
+        "--aggregation", choices=("star", "sharded"), default="star",
+        help="star: this process folds every delta; sharded: the hosts reduce the round among themselves, "
+        "no tensor byte through this process (docs/SHARDED.md)",
+    )  # fmt: skip
     ends = p.add_argument_group("when a round ends (docs/OPERATIONS.md)")
     ends.add_argument("--round-deadline-s", type=float, default=600.0)
     ends.add_argument(
@@ -205,6 +210,7 @@ def _session(
         round_deadline_s=args.round_deadline_s, quorum=args.quorum, grace_s=args.grace_s,
         min_hosts=args.min_hosts, max_hosts=args.max_hosts or want, allowed_hosts=names,
         join_wait_s=args.join_wait_s, sync_timeout_s=args.sync_timeout_s, overlap=args.overlap,
+        aggregation=args.aggregation,
     )  # fmt: skip
 
 

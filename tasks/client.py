@@ -149,7 +149,7 @@ class RoundClient:
         total_rounds: int = 1,
         mode: str = "training",
         step_offset: int = 0,
-        delta_url: str | None = None,
+        delta_url: str | list[Any] | None = None,
         delta_dtype: str = "float16",
         overlap: dict[str, Any] | None = None,
     ) -> AsyncResult:
@@ -187,7 +187,7 @@ class RoundClient:
         self,
         host: str,
         model_url: str,
-        delta_url: str | None = None,
+        delta_url: str | list[Any] | None = None,
         base_hash: str | None = None,
         result_hash: str | None = None,
         params: dict[str, Any] | None = None,

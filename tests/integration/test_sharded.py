@@ -20,6 +20,7 @@ from executor.tensorfile import read_header
 from orchestrator.artifacts import ArtifactServer
 from orchestrator.collect import describe
 from orchestrator.demo import TRAIN, build_model, build_shards
+from orchestrator.diloco import Orchestrator, Session
 from orchestrator.outer import OuterOptimizer
 from settings import Settings
 from tasks.client import RoundClient
@@ -284,3 +285,81 @@ def test_a_sharded_round_end_to_end_leaves_every_host_on_the_star_paths_model(
         client.apply_delta(HOSTS[0], model_url, delta_url=bad_state, base_hash=base_hash).get(timeout=120)
     assert "hash_mismatch" in describe(refused.value), describe(refused.value)
     assert client.status(HOSTS[0]).get(timeout=30)["model_hash"] == expected
+
+
+def orchestrated(
+    client: RoundClient, store: Any, tmp_path: Path, tenant: str, aggregation: str
+) -> Orchestrator:  # fmt: skip
+    shards = [
+        {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
+        for name, path in build_shards(tmp_path)
+    ]
+    session = Session(
+        HOSTS, shards, TRAIN, params={"lr": 0.2}, steps=5, tenant=tenant, aggregation=aggregation
+    )
+    orchestrator = Orchestrator(client, store, build_model(), session)
+    orchestrator.load()
+    return orchestrator
+
+
+def test_a_sharded_session_through_the_orchestrator_is_the_star_sessions_model(
+    cluster, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Three rounds of the demo on two hosts, star then sharded: with two float16 deltas the
+    sum is exact in fp32 whatever its order, so the two sessions' models are bit for bit the
+    same, round after round; every host holds the global model after each sharded sync, and
+    no tensor byte of a sharded round passes through the orchestrator (it GETs nothing)."""
+    client, store = cluster
+    star = orchestrated(client, store, tmp_path, "star-run", "star")
+    star_hashes = [s.model_hash for s in star.run(3)]
+    star.close()
+    (tmp_path / "s").mkdir()
+    sharded = orchestrated(client, store, tmp_path / "s", "sharded-run", "sharded")
+    fetched: list[str] = []
+    real_fetch = store.fetch
+    store.fetch = lambda name, dest: (fetched.append(name), real_fetch(name, dest))[1]  # type: ignore[method-assign]
+    try:
+        history = sharded.run(3)
+    finally:
+        store.fetch = real_fetch  # type: ignore[method-assign]
+    assert [s.model_hash for s in history] == star_hashes
+    assert all(s.included == HOSTS and not s.excluded and not s.kept for s in history), history
+    assert all(s.via == dict.fromkeys(HOSTS, "delta") for s in history), [s.via for s in history]
+    assert {st["model_hash"] for st in sharded.statuses().values()} == {sharded.global_hash}
+    assert fetched == []
+    events = [e["event"] for e in sharded.story]
+    assert events.count("sharded-sync") == 3 and "sharded-failed" not in events
+    sharded.close()
+
+
+class CorruptShard:
+    """The cluster's store, but one host's shard 1 of round 1 is replaced by another file
+    before any reducer GETs it: what a reducer downloads no longer matches its host's hash."""
+
+    def __init__(self, store: ArtifactServer, host: str, tmp_path: Path) -> None:
+        self._store, self._host, self._path = store, host, tmp_path / "junk"
+        write_delta({"0.weight": torch.zeros(5)}, str(self._path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def url_get(self, name: str, expires_s: float = 6 * 3600) -> str:
+        if f"round-1/delta/{self._host}/1." in name:
+            self._store.publish(name, self._path)
+        return self._store.url_get(name, expires_s)
+
+
+def test_a_corrupted_shard_drops_its_host_from_the_round_and_the_rest_reduce(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    client, store = cluster
+    broken = CorruptShard(store, HOSTS[1], tmp_path)
+    orchestrator = orchestrated(client, broken, tmp_path, "sharded-bad", "sharded")
+    history = orchestrator.run(2)
+    assert history[0].included == HOSTS
+    assert history[1].included == [HOSTS[0]] and HOSTS[1] in history[1].excluded, history[1]
+    assert "sh-b's shard" in history[1].excluded[HOSTS[1]], history[1].excluded
+    refused = [e for e in orchestrator.story if e["event"] == "shard-refused"]
+    assert [e["host"] for e in refused] == [HOSTS[1]]
+    # The round still closed without it, and every host is on the one model.
+    assert not history[1].kept and history[1].model_hash != history[0].model_hash
+    assert {st["model_hash"] for st in orchestrator.statuses().values()} == {orchestrator.global_hash}
+    orchestrator.close()

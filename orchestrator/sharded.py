@@ -1,0 +1,322 @@
+"""Sharded rounds: the hosts reduce the round among themselves (docs/SHARDED.md, issue 29).
+
+In a session with ``aggregation="sharded"`` no tensor byte of a round passes through the
+orchestrator: it signs URLs, decides who contributes and who reduces, and checks that every
+host ends on one model. A round:
+
+1. ``run_round`` on every active host with ``delta_url`` a list of P URLs: each host PUTs its
+   delta as P shard objects over the fixed partition (P, the session's shard count, is fixed
+   for the session, so the velocity's shards stay where they are as hosts come and go);
+2. the round ends as in sequential mode (quorum + grace); S, the contributors, is the sorted
+   list of hosts that completed with P well-formed shard hashes, frozen and noted;
+3. ``reduce_shard`` for each shard ``j`` on S's host ``j mod |S|``; a reduce that fails
+   naming a contributor (its shard did not match its hash or layout) drops that host from S
+   and every reduce is sent again without it; a reduce that fails otherwise (its host lost,
+   its task failed) is sent to the next host of S, up to |S| tries a shard. A round whose
+   reduces cannot all complete keeps the model (``sharded-failed``);
+4. ``apply_delta`` on every active host with the P sync shards: each host checks every shard
+   and reports the model's hash; the round's new global hash is the one the hosts agree on
+   (a host that reports another is re-synced: it assembles the model from the state shards).
+
+What the orchestrator keeps of the model is its hash and the names and hashes of its state
+and velocity shards (``ShardedState``): a joining or re-syncing host assembles the model from
+them and the session's first model (its layout). Not built yet: the star fallback (a round
+that cannot close keeps the model instead), a resumed sharded session, int8/int4 sharded
+deltas and syncs, overlapped sharded rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from executor.reduce import MAX_SHARDS
+from orchestrator.artifacts import ArtifactStore
+from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure, round_loss
+from orchestrator.elastic import Elastic
+from orchestrator.membership import Membership
+from orchestrator.outer import OuterOptimizer
+from orchestrator.phases import PhaseClock, worker_phases
+from orchestrator.records import RoundSummary, Session
+from tasks.client import RoundClient
+
+logger = logging.getLogger(__name__)
+
+
+class Driver(Protocol):
+    """What of the :class:`~orchestrator.diloco.Orchestrator` the loop uses."""
+
+    client: RoundClient
+    store: ArtifactStore
+    session: Session
+    outer: OuterOptimizer
+    membership: Membership
+    waiter: Waiter
+    elastic: Elastic
+    global_hash: str
+    round_done: int
+    total_rounds: int
+    sharded: ShardedState
+    history: list[RoundSummary]
+
+    @property
+    def next_round(self) -> int: ...
+
+    def model_url(self) -> str: ...
+
+    def round_started(self, round_num: int, task_ids: dict[str, str]) -> None: ...
+
+    def note_outcome(self, round_num: int, outcome: Outcome, why: str | None) -> None: ...
+
+    def finish_round(self, summary: RoundSummary) -> None: ...
+
+    def note(self, host: str | None, event: str, round_num: int, **data: Any) -> None: ...
+
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def checked_sharding(session: Session) -> int:
+    """The session's shard count (1 in a star session); a sharded session it cannot run is a
+    ``ValueError``."""
+    if session.aggregation not in ("star", "sharded"):
+        raise ValueError(f"aggregation must be 'star' or 'sharded', got {session.aggregation!r}")
+    if session.aggregation == "star":
+        return 1
+    if session.overlap:
+        raise ValueError("a sharded session is not overlapped yet (docs/SHARDED.md)")
+    if session.delta_dtype not in FLOAT_DTYPES or session.sync_delta_dtype not in FLOAT_DTYPES:
+        raise ValueError("a sharded session ships float deltas and syncs (float16, bfloat16, float32)")
+    count = session.shard_count or session.max_hosts or len(session.hosts)
+    if not isinstance(count, int) or not 2 <= count <= MAX_SHARDS:
+        raise ValueError(f"a sharded session has 2-{MAX_SHARDS} shards, not {count!r}")
+    return count
+
+
+@dataclass
+class ShardedState:
+    """The global model as the store holds it after a sharded round: its state shards and the
+    outer optimiser's velocity shards (object name and hash each), in shard order."""
+
+    count: int
+    run_id: str
+    state: list[dict[str, str]] = field(default_factory=list)
+    velocity: list[dict[str, str]] = field(default_factory=list)
+
+    def name(self, round_num: int, kind: str, shard: int, host: str | None = None) -> str:
+        where = f"{kind}/{host}" if host is not None else kind
+        return f"sharded/{self.run_id}/round-{round_num}/{where}/{shard}.safetensors.zst"
+
+    def sync_shards(
+        self, store: ArtifactStore, sync: list[dict[str, str]] | None = None
+    ) -> list[dict[str, Any]]:
+        """``apply_delta``'s ``delta_url`` for the model these shards make: each shard's sync
+        object (when given: the round's) and its state object, with their hashes."""
+        out = []
+        for j, state in enumerate(self.state):
+            entry = {"result_hash": state["hash"], "state_url": store.url_get(state["name"])}
+            if sync is not None:
+                entry.update(url=store.url_get(sync[j]["name"]), hash=sync[j]["hash"])
+            else:  # no sync to apply: the state itself, applied to nothing (assembled)
+                entry.update(url=entry["state_url"], hash=state["hash"])
+            out.append(entry)
+        return out
+
+
+class ShardedLoop:
+    """The rounds of a sharded session, from the orchestrator's next one."""
+
+    def __init__(self, orchestrator: Driver) -> None:
+        self.o = orchestrator
+
+    def run(self, rounds: int) -> list[RoundSummary]:
+        o = self.o
+        o.total_rounds = rounds
+        for round_num in range(o.next_round, rounds):
+            self.round(round_num, rounds)
+        return o.history
+
+    def round(self, round_num: int, total_rounds: int) -> RoundSummary:
+        o, session, sharded = self.o, self.o.session, self.o.sharded
+        started, clock = time.monotonic(), PhaseClock()
+        o.elastic.boundary(round_num)
+        hosts, shards = o.membership.active(), range(sharded.count)
+        with clock.phase("dispatch"):
+            pending = {
+                host: o.client.run_round(
+                    host, steps=session.steps, round_num=round_num, total_rounds=total_rounds,
+                    step_offset=round_num * session.steps, delta_dtype=session.delta_dtype,
+                    delta_url=[o.store.url_put(sharded.name(round_num, "delta", j, host)) for j in shards],
+                )
+                for host in hosts
+            }  # fmt: skip
+        o.round_started(round_num, {host: task.id for host, task in pending.items()})
+        with clock.phase("wait"):
+            deadline = Deadline(session.round_deadline_s, session.quorum, session.grace_s)
+            outcomes = o.waiter.wait(pending, deadline)
+        excluded = {
+            h: why for h, out in outcomes.items() if (why := round_failure(out) or self._bad_shards(out))
+        }
+        contributors = sorted(h for h in outcomes if h not in excluded)
+        o.note(None, "contributors", round_num, hosts=contributors)
+        reduced = None
+        if len(contributors) >= session.min_hosts:
+            with clock.phase("reduce"):
+                reduced = self.reduce(round_num, outcomes, contributors, excluded)
+        via: dict[str, str] = {}
+        if reduced is None:
+            o.note(None, "model-kept", round_num, completed=len(contributors), min_hosts=session.min_hosts)
+        else:
+            with clock.phase("apply"):
+                via = self.sync(round_num, reduced)
+        for host, outcome in outcomes.items():
+            o.note_outcome(round_num, outcome, excluded.get(host))
+        o.round_done = round_num
+        included = [h for h in contributors if h not in excluded]
+        losses = {h: loss for h in included if (loss := round_loss(outcomes[h])) is not None}
+        kept, seconds = reduced is None, time.monotonic() - started
+        summary = RoundSummary(
+            round_num, losses, included, excluded, via, o.global_hash, seconds, kept,
+            sorted(h for h, out in outcomes.items() if out.ending is Ending.LOST), o.membership.active(),
+            clock.to_json(), {h: worker_phases(out.result) for h, out in outcomes.items() if out.completed},
+        )  # fmt: skip
+        o.finish_round(summary)
+        return summary
+
+    def _bad_shards(self, outcome: Outcome) -> str | None:
+        shards = ((outcome.result or {}).get("delta") or {}).get("shards")
+        if not isinstance(shards, list) or len(shards) != self.o.sharded.count:
+            return f"its delta is not {self.o.sharded.count} shards"
+        if not all(isinstance(s, dict) and isinstance(s.get("hash"), str) for s in shards):
+            return "a shard without a hash"
+        return None
+
+    # ------------------------------------------------------------ the reduce
+
+    def reduce(
+        self,
+        round_num: int,
+        outcomes: Mapping[str, Outcome],
+        contributors: list[str],
+        excluded: dict[str, str],
+    ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]] | None:
+        """Every shard reduced (sync, state and velocity objects, name and hash each), or None
+        when the round cannot close. A contributor whose shard a reducer refused leaves S (in
+        ``excluded``) and the reduce starts again without it."""
+        o = self.o
+        while len(contributors) >= o.session.min_hosts:
+            done, refused = self._reduce_all(round_num, outcomes, contributors)
+            if refused is None:
+                return done
+            host, why = refused
+            excluded[host] = why
+            contributors = [h for h in contributors if h != host]
+            o.note(host, "shard-refused", round_num, reason=why)
+        return None
+
+    def _reduce_all(
+        self, round_num: int, outcomes: Mapping[str, Outcome], contributors: list[str]
+    ) -> tuple[Any, tuple[str, str] | None]:
+        o, sharded = self.o, self.o.sharded
+        count = sharded.count
+        tries = dict.fromkeys(range(count), 0)
+        results: dict[int, dict[str, Any]] = {}
+        while len(results) < count:
+            wave: dict[str, int] = {}  # one reduce a host at a time (the Waiter keys by host)
+            for j in sorted(set(range(count)) - set(results)):
+                if tries[j] >= len(contributors):
+                    o.note(None, "sharded-failed", round_num, shard=j)
+                    return None, None
+                reducer = contributors[(j + tries[j]) % len(contributors)]
+                if reducer not in wave:
+                    wave[reducer] = j
+                    tries[j] += 1
+            pending = {
+                host: o.client.reduce_shard(host, **self._task(round_num, j, outcomes, contributors))
+                for host, j in wave.items()
+            }
+            for host, outcome in o.waiter.wait(pending, Deadline(o.session.sync_timeout_s)).items():
+                j = wave[host]
+                if outcome.ending is Ending.RESULT and outcome.result is not None:
+                    results[j] = outcome.result
+                    continue
+                named = [h for h in contributors if f"host {h}'s shard" in (outcome.reason or "")]
+                if named:
+                    return None, (named[0], outcome.reason or "its shard was refused")
+                o.note(host, "reduce-failed", round_num, shard=j, reason=outcome.reason)
+
+        def objects(kind: str) -> list[dict[str, str]]:
+            return [
+                {"name": sharded.name(round_num, kind, j), "hash": results[j][kind]["hash"]}
+                for j in range(count)
+            ]
+
+        return (objects("sync"), objects("state"), objects("velocity")), None
+
+    def _task(
+        self, round_num: int, shard: int, outcomes: Mapping[str, Outcome], contributors: list[str]
+    ) -> dict[str, Any]:
+        o, sharded = self.o, self.o.sharded
+        contributions = [
+            {
+                "host": h, "url": o.store.url_get(sharded.name(round_num, "delta", shard, h)),
+                "hash": outcomes[h].result["delta"]["shards"][shard]["hash"],  # type: ignore[index]
+            }
+            for h in contributors
+        ]  # fmt: skip
+        velocity = None
+        if sharded.velocity:
+            v = sharded.velocity[shard]
+            velocity = {"url": o.store.url_get(v["name"]), "hash": v["hash"]}
+        return {
+            "shard": shard, "count": sharded.count, "base_hash": o.global_hash,
+            "contributions": contributions, "velocity": velocity, "outer": o.outer.settings(),
+            "sync_dtype": o.session.sync_delta_dtype,
+            **{
+                f"{kind}_url": o.store.url_put(sharded.name(round_num, kind, shard))
+                for kind in ("sync", "state", "velocity")
+            },
+        }  # fmt: skip
+
+    # ------------------------------------------------------------ the sync
+
+    def sync(
+        self, round_num: int, reduced: tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]
+    ) -> dict[str, str]:
+        """Every active host to the round's model; the global hash is the one they agree on."""
+        o, sharded = self.o, self.o.sharded
+        sync, state, velocity = reduced
+        base_hash = o.global_hash
+        sharded.state, sharded.velocity = state, velocity
+        shards = sharded.sync_shards(o.store, sync)
+        o.elastic.poll_joins(round_num, base_hash)
+        pending = {
+            host: o.client.apply_delta(host, o.model_url(), delta_url=shards, base_hash=base_hash)
+            for host in o.membership.active()
+        }
+        outcomes = o.waiter.wait(pending, Deadline(o.session.sync_timeout_s))
+        held = {
+            h: out.result.get("model_hash")
+            for h, out in outcomes.items()
+            if out.ending is Ending.RESULT and out.result
+        }
+        votes: dict[str, int] = {}
+        for value in held.values():
+            if isinstance(value, str):
+                votes[value] = votes.get(value, 0) + 1
+        if votes:
+            o.global_hash = max(sorted(votes), key=lambda value: votes[value])
+        via: dict[str, str] = {}
+        for host, outcome in outcomes.items():
+            if held.get(host) == o.global_hash:
+                via[host] = str((outcome.result or {}).get("via", "delta"))
+            else:
+                why = outcome.reason if outcome.ending is not Ending.RESULT else f"holds {held.get(host)}"
+                o.membership.failed(host, round_num, f"sharded sync: {why}")
+        o.note(
+            None, "sharded-sync", round_num, global_hash=o.global_hash, agreed=len(via), hosts=len(outcomes)
+        )
+        return via
