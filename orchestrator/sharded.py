@@ -37,7 +37,7 @@ from executor.reduce import MAX_SHARDS
 from orchestrator.artifacts import ArtifactStore
 from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure, round_loss
 from orchestrator.elastic import Elastic
-from orchestrator.membership import Membership
+from orchestrator.membership import HostState, Membership
 from orchestrator.outer import OuterOptimizer
 from orchestrator.phases import PhaseClock, worker_phases
 from orchestrator.records import RoundSummary, Session
@@ -313,6 +313,11 @@ class ShardedLoop:
         for host, outcome in outcomes.items():
             if held.get(host) == o.global_hash:
                 via[host] = str((outcome.result or {}).get("via", "delta"))
+            elif outcome.ending is Ending.LOST:
+                o.membership.set(
+                    host, HostState.LOST, round_num, "lost", reason="heartbeat expired during the sync",
+                    last_beat_ts=outcome.last_beat_ts,
+                )  # fmt: skip
             else:
                 why = outcome.reason if outcome.ending is not Ending.RESULT else f"holds {held.get(host)}"
                 o.membership.failed(host, round_num, f"sharded sync: {why}")

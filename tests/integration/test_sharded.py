@@ -6,6 +6,8 @@ a host that does not hold the round's base model, or a malformed request, is ref
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -362,4 +364,48 @@ def test_a_corrupted_shard_drops_its_host_from_the_round_and_the_rest_reduce(clu
     # The round still closed without it, and every host is on the one model.
     assert not history[1].kept and history[1].model_hash != history[0].model_hash
     assert {st["model_hash"] for st in orchestrator.statuses().values()} == {orchestrator.global_hash}
+    orchestrator.close()
+
+
+def test_a_joiner_takes_a_shard_and_a_reducer_that_dies_is_replaced(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Three shards, two starting hosts: a third host joins after round 0 (its model assembled
+    from the state shards), contributes and reduces from round 2; in round 3 it dies as its
+    reduce is sent (the whole worker, SIGKILL): its shard goes to another host of S, the round
+    closes with its delta (it contributed before dying), and the others hold the one model."""
+    client, store = cluster
+    joiner = WorkerProcess("sh-c", client.settings.broker_url, tmp_path / "sh-c")
+    shards = [
+        {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
+        for name, path in build_shards(tmp_path)
+    ]
+    everyone = [*HOSTS, "sh-c"]
+    session = Session(
+        HOSTS, shards, TRAIN, params={"lr": 0.2}, steps=5, tenant="sharded-join", aggregation="sharded",
+        max_hosts=3, allowed_hosts=everyone, join_wait_s=60,
+    )  # fmt: skip
+    orchestrator = Orchestrator(client, store, build_model(), session)
+    orchestrator.load()
+    try:
+        assert orchestrator.run(1)[0].included == HOSTS and orchestrator.sharded.count == 3
+        joiner.start()
+        killed: list[int] = []
+        send = client.reduce_shard
+
+        def reduce_shard(host: str, **arguments: Any) -> Any:
+            if host == "sh-c" and orchestrator.next_round == 3 and not killed:
+                killed.append(joiner.process.pid)  # type: ignore[union-attr]
+                os.killpg(joiner.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            return send(host, **arguments)
+
+        client.reduce_shard = reduce_shard  # type: ignore[method-assign]
+        history = orchestrator.run(4)
+    finally:
+        client.reduce_shard = send  # type: ignore[method-assign]
+        joiner.stop()
+    assert [s.included for s in history[2:]] == [everyone, everyone], [s.included for s in history]
+    events = [(e["event"], e["host"]) for e in orchestrator.story]
+    assert ("joined", "sh-c") in events or ("rejoined", "sh-c") in events, events
+    assert killed and ("reduce-failed", "sh-c") in events, events
+    assert not history[3].kept and history[3].model_hash != history[2].model_hash
+    assert {client.status(h).get(timeout=30)["model_hash"] for h in HOSTS} == {orchestrator.global_hash}
     orchestrator.close()
