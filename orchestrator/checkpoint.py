@@ -60,6 +60,9 @@ class Checkpoint:
     # The quantised sync deltas' error feedback (``SyncFeedback.residual``): without it a
     # resumed session would drop one round's quantisation error.
     sync_residual: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A sharded session's global model, as the store holds it (orchestrator.sharded): ``model``
+    # is then the session's first model (the layout), this the state and velocity shards.
+    sharded: dict[str, Any] | None = None
 
     @property
     def global_hash(self) -> str:
@@ -151,7 +154,7 @@ class StateDir:
         checkpoint = Checkpoint(
             int(state["round_done"]), int(state["total_rounds"]), model, velocity, dict(state["outer"]),
             dict(state["session"]), dict(state["members"]), list(state.get("history", [])),
-            dict(state.get("extra", {})), residual,
+            dict(state.get("extra", {})), residual, state.get("sharded"),
         )  # fmt: skip
         if checkpoint.global_hash != state["global_hash"]:
             raise CheckpointError(f"{state['model_file']} does not hash to {state['global_hash']}")

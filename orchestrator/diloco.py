@@ -131,8 +131,6 @@ class Orchestrator:
         process's round in flight is stopped, and its hosts rejoin at the next boundary
         (those that hold the checkpointed model without being loaded again)."""
         saved = StateDir(state_dir).load()
-        if saved.session.get("aggregation") == "sharded":
-            raise RuntimeError("a sharded session cannot be resumed yet (docs/SHARDED.md)")
         outer = OuterOptimizer(**saved.outer, velocity=saved.velocity)
         self = cls(
             client, store, saved.model, Session.from_json(saved.session), outer=outer,
@@ -142,8 +140,13 @@ class Orchestrator:
         self.history = [RoundSummary.from_json(h) for h in saved.history]
         self.membership.restore(saved.members)
         self.sync_feedback.residual = dict(saved.sync_residual)
+        if saved.sharded is not None:  # the model is the store's shards; this one is the layout
+            self.sharded = ShardedState.from_json(saved.sharded, self._run_id)
+            self.global_hash = self.sharded.global_hash or self.global_hash
         self.note(None, "resumed", saved.round_done + 1, global_hash=self.global_hash)
         self.elastic.stop_inflight()
+        if saved.sharded is not None:
+            ShardedLoop(self).settle()
         return self
 
     @property
@@ -362,7 +365,7 @@ class Orchestrator:
         if self.sharded.state:
             return self.client.apply_delta(
                 host, self.model_url(), delta_url=self.sharded.sync_shards(self.store),
-                params=self.session.params, dataset_shards=shards,
+                result_hash=self.global_hash, params=self.session.params, dataset_shards=shards,
             )  # fmt: skip
         return self.client.apply_delta(
             host,

@@ -20,9 +20,11 @@ host ends on one model. A round:
 
 What the orchestrator keeps of the model is its hash and the names and hashes of its state
 and velocity shards (``ShardedState``): a joining or re-syncing host assembles the model from
-them and the session's first model (its layout). Not built yet: the star fallback (a round
-that cannot close keeps the model instead), a resumed sharded session, int8/int4 sharded
-deltas and syncs, overlapped sharded rounds.
+them and the session's first model (its layout). The checkpoint holds that record, written
+once a round's reduces are done and again once its hosts agree: a resumed session whose last
+round was reduced but not synced brings its hosts to that round's model (:meth:`ShardedLoop.settle`).
+Not built yet: the star fallback (a round that cannot close keeps the model instead), int8/int4
+sharded deltas and syncs, overlapped sharded rounds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Protocol
 
 from executor.reduce import MAX_SHARDS
 from orchestrator.artifacts import ArtifactStore
+from orchestrator.checkpoint import StateDir
 from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure, round_loss
 from orchestrator.elastic import Elastic
 from orchestrator.membership import HostState, Membership
@@ -61,6 +64,7 @@ class Driver(Protocol):
     total_rounds: int
     sharded: ShardedState
     history: list[RoundSummary]
+    state: StateDir | None
 
     @property
     def next_round(self) -> int: ...
@@ -99,12 +103,29 @@ def checked_sharding(session: Session) -> int:
 @dataclass
 class ShardedState:
     """The global model as the store holds it after a sharded round: its state shards and the
-    outer optimiser's velocity shards (object name and hash each), in shard order."""
+    outer optimiser's velocity shards (object name and hash each), in shard order; checkpointed
+    once the round's reduces are done (``global_hash`` None until its hosts agreed on it)."""
 
     count: int
     run_id: str
     state: list[dict[str, str]] = field(default_factory=list)
     velocity: list[dict[str, str]] = field(default_factory=list)
+    round: int = -1  # the round whose reduce made ``state``
+    global_hash: str | None = None
+    summary: dict[str, Any] | None = None  # that round's contributors and losses, until its sync
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "count": self.count, "state": self.state, "velocity": self.velocity, "round": self.round,
+            "global_hash": self.global_hash, "summary": self.summary,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], run_id: str) -> ShardedState:
+        return cls(
+            int(data["count"]), run_id, list(data["state"]), list(data["velocity"]), int(data["round"]),
+            data.get("global_hash"), data.get("summary"),
+        )  # fmt: skip
 
     def name(self, round_num: int, kind: str, shard: int, host: str | None = None) -> str:
         where = f"{kind}/{host}" if host is not None else kind
@@ -167,16 +188,20 @@ class ShardedLoop:
             with clock.phase("reduce"):
                 reduced = self.reduce(round_num, outcomes, contributors, excluded)
         via: dict[str, str] = {}
+        included = [h for h in contributors if h not in excluded]
+        losses = {h: loss for h in included if (loss := round_loss(outcomes[h])) is not None}
         if reduced is None:
             o.note(None, "model-kept", round_num, completed=len(contributors), min_hosts=session.min_hosts)
         else:
+            sync, sharded.state, sharded.velocity = reduced
+            sharded.round, sharded.global_hash = round_num, None
+            sharded.summary = {"included": included, "excluded": excluded, "losses": losses}
+            self.save()  # before any host is told: a resumed session brings them to this model
             with clock.phase("apply"):
-                via = self.sync(round_num, reduced)
+                via = self.sync(round_num, sync)
         for host, outcome in outcomes.items():
             o.note_outcome(round_num, outcome, excluded.get(host))
         o.round_done = round_num
-        included = [h for h in contributors if h not in excluded]
-        losses = {h: loss for h in included if (loss := round_loss(outcomes[h])) is not None}
         kept, seconds = reduced is None, time.monotonic() - started
         summary = RoundSummary(
             round_num, losses, included, excluded, via, o.global_hash, seconds, kept,
@@ -283,25 +308,38 @@ class ShardedLoop:
 
     # ------------------------------------------------------------ the sync
 
-    def sync(
-        self, round_num: int, reduced: tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]
-    ) -> dict[str, str]:
+    def sync(self, round_num: int, sync: list[dict[str, str]]) -> dict[str, str]:
         """Every active host to the round's model; the global hash is the one they agree on."""
-        o, sharded = self.o, self.o.sharded
-        sync, state, velocity = reduced
-        base_hash = o.global_hash
-        sharded.state, sharded.velocity = state, velocity
-        shards = sharded.sync_shards(o.store, sync)
+        o = self.o
+        shards, base_hash = o.sharded.sync_shards(o.store, sync), o.global_hash
         o.elastic.poll_joins(round_num, base_hash)
         pending = {
             host: o.client.apply_delta(host, o.model_url(), delta_url=shards, base_hash=base_hash)
             for host in o.membership.active()
         }
         outcomes = o.waiter.wait(pending, Deadline(o.session.sync_timeout_s))
+        via = self._agree(round_num, outcomes)
+        for host, outcome in outcomes.items():
+            if host in via:
+                continue
+            if outcome.ending is Ending.LOST:
+                o.membership.set(
+                    host, HostState.LOST, round_num, "lost", reason="heartbeat expired during the sync",
+                    last_beat_ts=outcome.last_beat_ts,
+                )  # fmt: skip
+            else:
+                why = outcome.reason if outcome.ending is not Ending.RESULT else "holds another model"
+                o.membership.failed(host, round_num, f"sharded sync: {why}")
+        return via
+
+    def _agree(self, round_num: int, outcomes: Mapping[str, Outcome]) -> dict[str, str]:
+        """The hash most hosts report holding becomes the global one (every host checked every
+        shard: honest hosts agree); the hosts that hold it, and how they got there."""
+        o = self.o
         held = {
-            h: out.result.get("model_hash")
-            for h, out in outcomes.items()
-            if out.ending is Ending.RESULT and out.result
+            host: out.result.get("model_hash")
+            for host, out in outcomes.items()
+            if out.ending is Ending.RESULT and out.result is not None
         }
         votes: dict[str, int] = {}
         for value in held.values():
@@ -309,19 +347,46 @@ class ShardedLoop:
                 votes[value] = votes.get(value, 0) + 1
         if votes:
             o.global_hash = max(sorted(votes), key=lambda value: votes[value])
-        via: dict[str, str] = {}
-        for host, outcome in outcomes.items():
-            if held.get(host) == o.global_hash:
-                via[host] = str((outcome.result or {}).get("via", "delta"))
-            elif outcome.ending is Ending.LOST:
-                o.membership.set(
-                    host, HostState.LOST, round_num, "lost", reason="heartbeat expired during the sync",
-                    last_beat_ts=outcome.last_beat_ts,
-                )  # fmt: skip
-            else:
-                why = outcome.reason if outcome.ending is not Ending.RESULT else f"holds {held.get(host)}"
-                o.membership.failed(host, round_num, f"sharded sync: {why}")
+            o.sharded.global_hash, o.sharded.summary = o.global_hash, None
+            self.save()
+        via = {
+            h: str((outcomes[h].result or {}).get("via", "delta"))
+            for h, v in held.items()
+            if v == o.global_hash
+        }
         o.note(
             None, "sharded-sync", round_num, global_hash=o.global_hash, agreed=len(via), hosts=len(outcomes)
         )
         return via
+
+    def save(self) -> None:
+        if self.o.state is not None:
+            self.o.state.update(sharded=self.o.sharded.to_json())
+
+    # ------------------------------------------------------------ resume
+
+    def settle(self) -> None:
+        """A resumed session whose last reduced round has no summary yet: its live members are
+        brought to that round's model (assembled from its state shards, or kept where they hold
+        it), the hash they agree on is the global one, and the round is recorded."""
+        o, sharded = self.o, self.o.sharded
+        if sharded.round <= o.round_done or not sharded.state:
+            return
+        alive = o.membership.alive(sorted(o.membership.members))
+        pending = {
+            host: o.client.apply_delta(
+                host, o.model_url(), delta_url=sharded.sync_shards(o.store), result_hash=sharded.global_hash
+            )
+            for host, beat in alive.items()
+            if beat is not None
+        }
+        via = self._agree(sharded.round, o.waiter.wait(pending, Deadline(o.session.sync_timeout_s)))
+        said = sharded.summary or {}
+        o.round_done = sharded.round
+        o.note(None, "resumed-reduced", sharded.round, global_hash=o.global_hash, hosts=sorted(via))
+        o.finish_round(
+            RoundSummary(
+                sharded.round, dict(said.get("losses", {})), list(said.get("included", [])),
+                dict(said.get("excluded", {})), via, o.global_hash, 0.0, members=o.membership.active(),
+            )
+        )  # fmt: skip

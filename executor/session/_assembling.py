@@ -48,12 +48,16 @@ def sync_sharded(
     current: InstalledModel | None,
     model_url: Url,
     base_hash: str | None,
+    result_hash: str | None,
     sync: ShardedSync,
     abort: threading.Event,
     config: transfer.TransferConfig,
 ) -> Synced:
     """The shards applied to ``current`` when it is the round's base; else the model assembled
-    from the state shards (``ApplyVia.FULL``, with the reason)."""
+    from the state shards (``ApplyVia.FULL``, with the reason); nothing when ``current`` is
+    ``result_hash`` already (a host that rejoins holding the global model)."""
+    if current is not None and result_hash and current.model_hash == result_hash and current.file_unchanged():
+        return Synced(ApplyVia.DELTA, current, None, noop=True)
     reason = ErrorInfo(NO_BASE, "no local base model")
     if current is not None and base_hash:
         applied = _delta_path(files, current, base_hash, sync, abort, config)

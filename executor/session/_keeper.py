@@ -222,7 +222,7 @@ class SessionKeeper:
         if request.sharded is not None:  # a sharded round's N shards (docs/SHARDED.md)
             synced = sync_sharded(
                 self.models, session.model if session else None, request.model_url, request.base_hash,
-                request.sharded, self._stop, self._transfer,
+                request.result_hash, request.sharded, self._stop, self._transfer,
             )  # fmt: skip
         else:
             synced = self.models.sync(

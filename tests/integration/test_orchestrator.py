@@ -76,8 +76,9 @@ def test_three_rounds_keep_every_worker_bit_identical(cluster, tmp_path: Path) -
         held = {host: status["model_hash"] for host, status in orchestrator.statuses().items()}
         assert set(held.values()) == {orchestrator.global_hash} == {state_hash(orchestrator.global_state)}
         assert summary.model_hash == orchestrator.global_hash
-        # Where the round's wall time went, every phase of the loop timed, in loop order.
-        assert list(summary.phases) == list(PHASES), summary.phases
+        # Where the round's wall time went, every phase of the loop timed, in loop order (all but
+        # a sharded round's reduce).
+        assert list(summary.phases) == [p for p in PHASES if p != "reduce"], summary.phases
         assert summary.phases["wait"] > 0 and summary.phases["apply"] > 0
         assert sum(summary.phases.values()) <= summary.seconds
         # And each host's own account of its side: the round, its delta's write and PUT, the sync.

@@ -409,3 +409,51 @@ def test_a_joiner_takes_a_shard_and_a_reducer_that_dies_is_replaced(cluster, tmp
     assert not history[3].kept and history[3].model_hash != history[2].model_hash
     assert {client.status(h).get(timeout=30)["model_hash"] for h in HOSTS} == {orchestrator.global_hash}
     orchestrator.close()
+
+
+class Died(Exception):
+    pass
+
+
+def test_an_orchestrator_killed_between_a_rounds_reduce_and_its_sync_is_resumed(
+    cluster, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The orchestrator dies once round 1's shards are reduced, before any host is told: the
+    resumed one brings the hosts to that round's model from the store's state shards, records
+    the round and goes on; its models are the star session's, round after round."""
+    client, store = cluster
+    (tmp_path / "ref").mkdir()
+    star = orchestrated(client, store, tmp_path / "ref", "resume-ref", "star")
+    star_hashes = [s.model_hash for s in star.run(3)]
+    star.close()
+    shards = [
+        {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
+        for name, path in build_shards(tmp_path)
+    ]
+    session = Session(
+        HOSTS, shards, TRAIN, params={"lr": 0.2}, steps=5, tenant="resume", aggregation="sharded"
+    )
+    state_dir = tmp_path / "state"
+    first = Orchestrator(client, store, build_model(), session, state_dir=state_dir)
+    first.load()
+    send = client.apply_delta
+
+    def apply_delta(host: str, model_url: str, **arguments: Any) -> Any:
+        if isinstance(arguments.get("delta_url"), list) and first.sharded.round == 1:
+            raise Died("the orchestrator died before it told any host")
+        return send(host, model_url, **arguments)
+
+    client.apply_delta = apply_delta  # type: ignore[method-assign]
+    try:
+        with pytest.raises(Died):
+            first.run(3)
+    finally:
+        client.apply_delta = send  # type: ignore[method-assign]
+    first.close()
+    resumed = Orchestrator.resume(client, store, state_dir)
+    assert [s.model_hash for s in resumed.history] == star_hashes[:2], resumed.history
+    assert [e["event"] for e in resumed.story if e["event"] == "resumed-reduced"]
+    history = resumed.run(3)
+    assert [s.model_hash for s in history] == star_hashes
+    assert {st["model_hash"] for st in resumed.statuses().values()} == {resumed.global_hash}
+    resumed.close()
