@@ -174,6 +174,8 @@ class ShardedLoop:
                 )
                 for host in hosts
             }  # fmt: skip
+        if o.state is not None:  # a resumed orchestrator stops this round and runs it again
+            o.state.save_inflight(round_num, {host: task.id for host, task in pending.items()})
         o.round_started(round_num, {host: task.id for host, task in pending.items()})
         with clock.phase("wait"):
             deadline = Deadline(session.round_deadline_s, session.quorum, session.grace_s)
@@ -209,6 +211,8 @@ class ShardedLoop:
             clock.to_json(), {h: worker_phases(out.result) for h, out in outcomes.items() if out.completed},
         )  # fmt: skip
         o.finish_round(summary)
+        if o.state is not None:
+            o.state.clear_inflight()
         return summary
 
     def _bad_shards(self, outcome: Outcome) -> str | None:
