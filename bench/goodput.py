@@ -109,9 +109,11 @@ class Cluster:
             **TEST_ENV, **signed_env(keys), "ROUNDHOUSE_URL_ALLOW": net.cidr, "ROUNDHOUSE_SANDBOX": sandbox,
         }  # fmt: skip
         self.workers: list[LocalWorker] = []
+        self.addresses: dict[str, str] = {}  # host -> its namespace's address (bench.sharded)
         for index in range(hosts):
             ns = net.add()
             host = f"gp{index}"
+            self.addresses[host] = ns.address
             self.workers.append(
                 LocalWorker(
                     host, self.redis.url, base / host, cache_dir=base / host / "cache", env=env,

@@ -148,6 +148,9 @@ class ArtifactServer:
         self.port = int(bound_port)
         self.base_url = f"http://{self.host}:{self.port}"
         self.requests: list[tuple[str, str]] = []  # (method, path), for the tests and the demo
+        # (method, path, client address, body bytes) of every GET and PUT served: what each host
+        # moved through the store (bench.sharded's per-host figures)
+        self.traffic: list[tuple[str, str, str, int]] = []
 
     def __enter__(self) -> ArtifactServer:
         return self.start()
@@ -259,6 +262,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
         reply(self, code, body, headers)
 
+    def _account(self, method: str, nbytes: int) -> None:
+        self.server.artifacts.traffic.append(
+            (method, unquote(urlsplit(self.path).path), str(self.client_address[0]), nbytes)
+        )
+
     def do_GET(self) -> None:
         self._get(head=False)
 
@@ -277,8 +285,10 @@ class _Handler(BaseHTTPRequestHandler):
             if span is None:
                 return
             offset, end = span
+            sent = 0 if head else end - offset
             while not head and offset < end:
                 offset += self.connection.sendfile(file, offset, min(CHUNK_BYTES, end - offset))
+            self._account("GET", sent)
 
     def do_PUT(self) -> None:
         path = self._route("PUT")
@@ -304,6 +314,7 @@ class _Handler(BaseHTTPRequestHandler):
                     out.write(chunk)
                     remaining -= len(chunk)
             os.replace(tmp, path)
+            self._account("PUT", int(length))
         except OSError:
             self.close_connection = True
             return
