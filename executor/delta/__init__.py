@@ -41,6 +41,8 @@ from executor.delta._schemes import (
     SCHEMES,
     StreamStateHash,
     check_scheme,
+    hash_entry_header,
+    hash_prefix,
     new_hasher,
     scheme_of,
 )
@@ -85,6 +87,8 @@ __all__ = [
     "dequantize",
     "file_state_hash",
     "format_name",
+    "hash_entry_header",
+    "hash_prefix",
     "make_sync_delta",
     "max_delta_bytes",
     "max_delta_tensors",

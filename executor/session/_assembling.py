@@ -13,8 +13,9 @@ hold) assembles the model instead: the session's model file (``model_url``, for 
 its non-floating keys, which no sync changes) with every floating value from the round's state
 shards, each checked against its hash.
 
-This first version holds the model and its result in memory (two model-sized copies in fp32);
-the streaming apply of the star path is its next step.
+The apply streams (:func:`_stream`: one pass over the model, one shard's sync slices held at a
+time, as the star path's apply streams); the assembly, the rare path, holds the model in memory
+(two fp32 copies).
 """
 
 from __future__ import annotations
@@ -29,15 +30,25 @@ from typing import Any
 import torch
 
 from executor import transfer
-from executor.delta import DEFAULT_SCHEME, apply_rule, scheme_of, state_hash, zstd_bound
+from executor.delta import (
+    DEFAULT_SCHEME,
+    apply_rule,
+    hash_entry_header,
+    hash_prefix,
+    new_hasher,
+    result_dtype,
+    scheme_of,
+    state_hash,
+    zstd_bound,
+)
 from executor.errors import BadArtifact, ErrorInfo, HashMismatch, InvalidRequest, Stopped, error_info
 from executor.fileio import atomic_writer, remove_quietly
-from executor.reduce import Partition, flat_slice, model_partition, read_delta_shard
+from executor.reduce import Partition, Slice, flat_slice, model_partition, read_delta_shard, read_slice
 from executor.reduce import shard_bound as bound_of
 from executor.results import ApplyVia
 from executor.session._model import NO_BASE, InstalledModel, ModelFiles, Synced, model_fingerprint
-from executor.session._requests import ShardedSync
-from executor.tensorfile import load_state, read_header, write_state
+from executor.session._requests import ShardedSync, SyncShard
+from executor.tensorfile import StreamWriter, load_state, read_header, read_tensor, tensor_bytes, write_state
 from executor.urls import Url
 
 logger = logging.getLogger(__name__)
@@ -82,26 +93,87 @@ def _delta_path(
             "local model is not the sync's base", {"expected": base_hash, "got": current.model_hash}
         ).info()
     try:
-        base = load_state(current.path)
-        split = model_partition(_specs(current.path), len(sync.shards), sync.align)
-        result = {k: v for k, v in base.items() if not v.dtype.is_floating_point}
-        floats = _float_buffers(base)
-        for index, shard in enumerate(sync.shards):
-            delta = _fetch_checked(files, shard.url, shard.hash, split, index, abort, config)
-            made = {}
-            for piece in split.shard(index):
-                made[piece.key] = apply_rule(flat_slice(base[piece.key], piece), delta.get(piece.key))
-                flat_slice(floats[piece.key], piece).copy_(made[piece.key])
-            if state_hash(made) != shard.result_hash:
-                raise HashMismatch(f"sync shard {index} does not make the state its reducer reported")
-        result.update(floats)
-        return _install(files, current, result, scheme_of(base_hash, DEFAULT_SCHEME))
+        return _stream(files, current, sync, scheme_of(base_hash, DEFAULT_SCHEME), abort, config)
     except Stopped:
         raise
     except Exception as exc:
         info = error_info(exc)
         logger.warning("sharded sync not applied (%s): %s", info.code, info.message)
         return info
+
+
+def _stream(
+    files: ModelFiles,
+    current: InstalledModel,
+    sync: ShardedSync,
+    scheme: str,
+    abort: threading.Event,
+    config: transfer.TransferConfig,
+) -> InstalledModel:
+    """The sync shards applied in one pass over the model, key by key in sorted order: each
+    shard's sync slices held while its slices are made (one shard at a time), each made slice
+    written where it goes, fed to its shard's hash (checked once the shard's last slice is
+    made) and to the new model's hash."""
+    with open(current.path, "rb") as probe:
+        header = read_header(probe)
+    split = model_partition(header.specs, len(sync.shards), sync.align)
+    paths = [_download(files, shard.url, split, j, abort, config) for j, shard in enumerate(sync.shards)]
+    try:
+        names, (pieces, last) = sorted(header.specs), _walk(split)
+        full, shard_hashes = (
+            new_hasher(scheme),
+            [new_hasher(scheme_of(s.result_hash, DEFAULT_SCHEME)) for s in sync.shards],
+        )
+        held: tuple[int, dict[str, torch.Tensor]] | None = None
+        entries = [(n, result_dtype(header.specs[n].dtype), header.specs[n].shape) for n in names]
+        # Entered first, so it exits last: the model is replaced once the base file is closed.
+        with atomic_writer(files.model_path, retire=True) as out, open(current.path, "rb") as base:
+            writer = StreamWriter(out, entries)
+            writer.write_header()
+            for name in names:
+                spec = header.specs[name]
+                hash_entry_header(full, name, result_dtype(spec.dtype), spec.shape)
+                if name not in pieces:  # not floating: passed through as it is
+                    value = read_tensor(base, header, spec)
+                    full.update(tensor_bytes(value))
+                    writer.write(tensor_bytes(value))
+                    continue
+                for j, piece in pieces[name]:
+                    if held is None or held[0] != j:
+                        held = (j, _checked(paths[j], sync.shards[j].hash, split, j))
+                    made = apply_rule(read_slice(base, header, spec, piece), held[1].get(name)).contiguous()
+                    hash_entry_header(shard_hashes[j], name, torch.float32, (piece.numel,))
+                    for hasher in (shard_hashes[j], full):
+                        hasher.update(tensor_bytes(made))
+                    writer.write(tensor_bytes(made))
+                    if (
+                        piece is last[j]
+                        and _digest(shard_hashes[j], sync.shards[j]) != sync.shards[j].result_hash
+                    ):
+                        raise HashMismatch(f"sync shard {j} does not make the state its reducer reported")
+            for j, shard in enumerate(sync.shards):  # a shard with no slice makes the empty state
+                if j not in last and _digest(shard_hashes[j], shard) != shard.result_hash:
+                    raise HashMismatch(f"sync shard {j} does not make the state its reducer reported")
+    finally:
+        for path in paths:
+            remove_quietly(path)
+    os.chmod(files.model_path, 0o644)  # the sandboxed runner reads it as another uid
+    model_hash = hash_prefix(scheme) + full.hexdigest()
+    return replace(current, model_hash=model_hash, fingerprint=model_fingerprint(files.model_path))
+
+
+def _walk(split: Partition) -> tuple[dict[str, list[tuple[int, Slice]]], dict[int, Slice]]:
+    """Each key's slices with their shards, in order (the pass's walk), and each non-empty
+    shard's last slice (where its hash is complete)."""
+    pieces: dict[str, list[tuple[int, Slice]]] = {}
+    for j in range(len(split)):
+        for piece in split.shard(j):
+            pieces.setdefault(piece.key, []).append((j, piece))
+    return pieces, {j: split.shard(j)[-1] for j in range(len(split)) if split.shard(j)}
+
+
+def _digest(hasher: Any, shard: SyncShard) -> str:
+    return hash_prefix(scheme_of(shard.result_hash, DEFAULT_SCHEME)) + hasher.copy().hexdigest()
 
 
 def _assemble(
@@ -144,6 +216,32 @@ def _specs(path: str) -> Mapping[str, Any]:
         return read_header(file).specs
 
 
+def _download(
+    files: ModelFiles,
+    url: Url,
+    split: Partition,
+    index: int,
+    abort: threading.Event,
+    config: transfer.TransferConfig,
+) -> str:
+    path = os.path.join(files.incoming, f"sync-shard-{index}.zst")
+    try:
+        transfer.fetch(url, path, config=config, abort=abort, max_bytes=zstd_bound(bound_of(split, index)))
+    except BaseException:
+        remove_quietly(path)
+        raise
+    return path
+
+
+def _checked(path: str, expected: str, split: Partition, index: int) -> dict[str, torch.Tensor]:
+    """A downloaded shard, its layout checked against the partition and its hash against the
+    one its writer reported."""
+    values = read_delta_shard(path, split, index)
+    if state_hash(values, scheme=scheme_of(expected, DEFAULT_SCHEME)) != expected:
+        raise HashMismatch(f"shard {index} does not match its hash", {"shard": index})
+    return values
+
+
 def _fetch_checked(
     files: ModelFiles,
     url: Url,
@@ -153,24 +251,8 @@ def _fetch_checked(
     abort: threading.Event,
     config: transfer.TransferConfig,
 ) -> dict[str, torch.Tensor]:
-    path = os.path.join(files.incoming, f"sync-shard-{index}.zst")
+    path = _download(files, url, split, index, abort, config)
     try:
-        transfer.fetch(url, path, config=config, abort=abort, max_bytes=zstd_bound(bound_of(split, index)))
-        values = read_delta_shard(path, split, index)
+        return _checked(path, expected, split, index)
     finally:
         remove_quietly(path)
-    if state_hash(values, scheme=scheme_of(expected, DEFAULT_SCHEME)) != expected:
-        raise HashMismatch(f"shard {index} does not match its hash", {"shard": index})
-    return values
-
-
-def _install(
-    files: ModelFiles, current: InstalledModel, state: Mapping[str, torch.Tensor], scheme: str
-) -> InstalledModel:
-    with atomic_writer(files.model_path, retire=True) as out:
-        write_state(out, state)
-    os.chmod(files.model_path, 0o644)  # the sandboxed runner reads it as another uid
-    model_hash = state_hash(state, scheme=scheme)
-    return replace(
-        current, path=files.model_path, model_hash=model_hash, fingerprint=model_fingerprint(files.model_path)
-    )

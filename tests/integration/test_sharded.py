@@ -269,6 +269,13 @@ def test_a_sharded_round_end_to_end_leaves_every_host_on_the_star_paths_model(
     ]
     applied = client.apply_delta(HOSTS[0], model_url, delta_url=shards, base_hash=base_hash).get(timeout=120)
     assert applied["via"] == "delta" and applied["model_hash"] == expected, applied
+    # A reducer's word on the state its shard makes that does not hold, on a host on the base:
+    # the apply is refused (and so is the assembly, from that state), the model stays the base.
+    lying = [dict(shards[0], result_hash="sha256:" + "0" * 64), shards[1]]
+    with pytest.raises(Exception) as refused_made:
+        client.apply_delta(HOSTS[1], model_url, delta_url=lying, base_hash=base_hash).get(timeout=120)
+    assert "hash_mismatch" in describe(refused_made.value), describe(refused_made.value)
+    assert client.status(HOSTS[1]).get(timeout=30)["model_hash"] == base_hash
     # A sync shard that does not match the hash its reducer reported: the model is assembled
     # from the state shards instead, and is the same.
     forged = [dict(shards[0], hash="sha256:" + "0" * 64), shards[1]]
