@@ -20,6 +20,7 @@ only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.over
 - ``records``: what a session trains (``Session``) and what each round did (``RoundSummary``)
 - ``overlap``: overlapped rounds: the next round trains while the last one's sync is built,
   published and ordered on the hosts (docs/OVERLAP.md)
+- ``fallback``: the star path as a sharded round's fallback (the round folded from the hosts' shards)
 - ``sharded``: sharded rounds: the hosts reduce each round among themselves, no tensor byte
   through the orchestrator (docs/SHARDED.md)
 - ``diloco``: the ``ArtifactStore`` protocol and the ``Orchestrator`` (the sequential round)

@@ -91,6 +91,7 @@ class Orchestrator:
         self.outer = outer or OuterOptimizer()
         self.sync_feedback = SyncFeedback(session.sync_delta_dtype)
         self.global_state = {k: v.detach().cpu().contiguous() for k, v in model.items()}
+        self.layout = self.global_state  # the session's first model: a sharded session's layout
         self.global_hash = state_hash(self.global_state)
         if isinstance(store, ArtifactServer):  # its PUTs: no larger than this model's largest delta
             store.max_put_bytes = min(store.max_put_bytes, zstd_bound(max_delta_bytes(self.global_state)))
@@ -110,7 +111,7 @@ class Orchestrator:
             scratch_root = os.path.join(self.state.path, "scratch")
             remove_tree(scratch_root, ignore_errors=True)
             os.makedirs(scratch_root)
-        self._scratch = tempfile.mkdtemp(prefix="orchestrator-", dir=scratch_root)
+        self._scratch = self.scratch = tempfile.mkdtemp(prefix="orchestrator-", dir=scratch_root)
         self._run_id = secrets.token_hex(4)  # this process's uploads never collide with a dead one's
         self.membership = Membership(
             client, session.tenant, max_hosts=session.max_hosts or len(session.hosts),

@@ -13,7 +13,7 @@ host ends on one model. A round:
    naming a contributor (its shard did not match its hash or layout) drops that host from S
    and every reduce is sent again without it; a reduce that fails otherwise (its host lost,
    its task failed) is sent to the next host of S, up to |S| tries a shard. A round whose
-   reduces cannot all complete keeps the model (``sharded-failed``);
+   reduces cannot all complete (``sharded-failed``) falls back to the star path;
 4. ``apply_delta`` on every active host with the P sync shards: each host checks every shard
    and reports the model's hash; the round's new global hash is the one the hosts agree on
    (a host that reports another is re-synced: it assembles the model from the state shards).
@@ -23,7 +23,8 @@ and velocity shards (``ShardedState``): a joining or re-syncing host assembles t
 them and the session's first model (its layout). The checkpoint holds that record, written
 once a round's reduces are done and again once its hosts agree: a resumed session whose last
 round was reduced but not synced brings its hosts to that round's model (:meth:`ShardedLoop.settle`).
-Not built yet: the star fallback (a round that cannot close keeps the model instead), int8/int4
+A round with fewer than two contributors, or whose reduces cannot all complete, is folded by the
+orchestrator instead (:mod:`orchestrator.fallback`: the star path, once). Not built yet: int8/int4
 sharded deltas and syncs, overlapped sharded rounds.
 """
 
@@ -35,11 +36,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from executor.reduce import MAX_SHARDS
 from orchestrator.artifacts import ArtifactStore
 from orchestrator.checkpoint import StateDir
 from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure, round_loss
 from orchestrator.elastic import Elastic
+from orchestrator.fallback import assemble, fold, model_split, publish_split
 from orchestrator.membership import HostState, Membership
 from orchestrator.outer import OuterOptimizer
 from orchestrator.phases import PhaseClock, worker_phases
@@ -65,6 +69,13 @@ class Driver(Protocol):
     sharded: ShardedState
     history: list[RoundSummary]
     state: StateDir | None
+    global_state: dict[str, torch.Tensor]
+    layout: dict[str, torch.Tensor]
+    scratch: str
+
+    def sync_now(
+        self, round_num: int, new_state: dict[str, torch.Tensor] | None, clock: PhaseClock
+    ) -> dict[str, str]: ...
 
     @property
     def next_round(self) -> int: ...
@@ -185,16 +196,23 @@ class ShardedLoop:
         }
         contributors = sorted(h for h in outcomes if h not in excluded)
         o.note(None, "contributors", round_num, hosts=contributors)
-        reduced = None
-        if len(contributors) >= session.min_hosts:
+        reduced, via, star = None, {}, False
+        if len(contributors) >= max(2, session.min_hosts):
             with clock.phase("reduce"):
                 reduced = self.reduce(round_num, outcomes, contributors, excluded)
-        via: dict[str, str] = {}
+        if reduced is None and len([h for h in contributors if h not in excluded]) >= session.min_hosts:
+            # Fewer than two hosts, or a round that cannot close: the star path, this once.
+            via, star = (
+                self.star(
+                    round_num, outcomes, [h for h in contributors if h not in excluded], excluded, clock
+                ),
+                True,
+            )
         included = [h for h in contributors if h not in excluded]
         losses = {h: loss for h in included if (loss := round_loss(outcomes[h])) is not None}
-        if reduced is None:
+        if reduced is None and not star:
             o.note(None, "model-kept", round_num, completed=len(contributors), min_hosts=session.min_hosts)
-        else:
+        elif reduced is not None:
             sync, sharded.state, sharded.velocity = reduced
             sharded.round, sharded.global_hash = round_num, None
             sharded.summary = {"included": included, "excluded": excluded, "losses": losses}
@@ -204,7 +222,7 @@ class ShardedLoop:
         for host, outcome in outcomes.items():
             o.note_outcome(round_num, outcome, excluded.get(host))
         o.round_done = round_num
-        kept, seconds = reduced is None, time.monotonic() - started
+        kept, seconds = reduced is None and not star, time.monotonic() - started
         summary = RoundSummary(
             round_num, losses, included, excluded, via, o.global_hash, seconds, kept,
             sorted(h for h, out in outcomes.items() if out.ending is Ending.LOST), o.membership.active(),
@@ -214,6 +232,53 @@ class ShardedLoop:
         if o.state is not None:
             o.state.clear_inflight()
         return summary
+
+    def star(
+        self,
+        round_num: int,
+        outcomes: Mapping[str, Outcome],
+        contributors: list[str],
+        excluded: dict[str, str],
+        clock: PhaseClock,
+    ) -> dict[str, str]:
+        """The round folded by the orchestrator from the hosts' shards (orchestrator.fallback),
+        synced by the star path, and the model and velocity written back as shards."""
+        o, sharded = self.o, self.o.sharded
+        o.note(None, "star-fallback", round_num, contributors=contributors)
+        split = model_split(o.layout, sharded.count)
+        with clock.phase("fold"):
+            if sharded.state:  # the global model and velocity are the store's shards
+                o.global_state = assemble(o.store, o.scratch, o.layout, split, sharded.state)
+                o.outer.velocity = assemble(
+                    o.store, o.scratch, o.layout, split, sharded.velocity, floats_only=True
+                )
+            shards_of = {
+                h: [
+                    (sharded.name(round_num, "delta", j, h), outcomes[h].result["delta"]["shards"][j]["hash"])  # type: ignore[index]
+                    for j in range(sharded.count)
+                ]
+                for h in contributors
+            }
+            mean, refused = fold(o.store, o.scratch, o.layout, split, shards_of)
+        excluded.update(refused)
+        if not mean:
+            return {}
+        with clock.phase("outer"):
+            new_state = o.outer.step(o.global_state, mean)
+        via = o.sync_now(round_num, new_state, clock)
+        sharded.state = publish_split(
+            o.store, o.scratch, o.global_state, split, lambda j: sharded.name(round_num, "fallback-state", j)
+        )
+        sharded.velocity = publish_split(
+            o.store,
+            o.scratch,
+            o.outer.velocity,
+            split,
+            lambda j: sharded.name(round_num, "fallback-velocity", j),
+        )
+        sharded.round, sharded.global_hash, sharded.summary = round_num, o.global_hash, None
+        self.save()
+        return via
 
     def _bad_shards(self, outcome: Outcome) -> str | None:
         shards = ((outcome.result or {}).get("delta") or {}).get("shards")

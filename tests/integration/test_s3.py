@@ -193,15 +193,16 @@ def test_expired_urls_are_refused_as_download_failed_without_the_token(  # type:
     assert "X-Amz-Signature" not in worker.log() and "X-Amz-Credential" not in worker.log()
 
 
-def test_a_sharded_session_runs_on_s3_by_presigned_urls_only(
-    worker, client, store, proxy, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
-    """issue 29 against a real S3 server: a sharded session (two shards, one host reducing
-    both) whose every shard, sync, state and velocity object moves by presigned URL, the host
-    ending on the model its reduces made, with nothing fetched by the orchestrator."""
+def test_a_sharded_session_runs_on_s3_by_presigned_urls_only(  # type: ignore[no-untyped-def]
+    worker, redis_server, client, store, proxy, tmp_path: Path
+) -> None:
+    """issue 29 against a real S3 server: a sharded session of two hosts whose every shard,
+    sync, state and velocity object moves by presigned URL, both hosts ending on the model their
+    reduces made, with nothing fetched by the orchestrator."""
     from orchestrator.demo import TRAIN, build_model, build_shards
     from orchestrator.diloco import Orchestrator, Session
 
+    second = WorkerProcess("s2", redis_server.url, tmp_path / "s2").start()
     shards = [
         {
             "url": store.publish(f"sharded-data/{name}", path),
@@ -210,10 +211,10 @@ def test_a_sharded_session_runs_on_s3_by_presigned_urls_only(
         }
         for name, path in build_shards(tmp_path)
     ]
+    hosts = ["s1", "s2"]
     session = Session(
-        ["s1"], shards, TRAIN, params={"lr": 0.2}, steps=5, tenant="s3-sharded", aggregation="sharded",
-        shard_count=2,
-    )  # fmt: skip
+        hosts, shards, TRAIN, params={"lr": 0.2}, steps=5, tenant="s3-sharded", aggregation="sharded"
+    )
     before = len(proxy.seen)
     orchestrator = Orchestrator(client, store, build_model(), session)
     fetched: list[str] = []
@@ -222,16 +223,19 @@ def test_a_sharded_session_runs_on_s3_by_presigned_urls_only(
     try:
         orchestrator.load()
         history = orchestrator.run(2)
+        held = {st["model_hash"] for st in orchestrator.statuses().values()}
     finally:
         store.fetch = real_fetch  # type: ignore[method-assign]
-    assert [s.included for s in history] == [["s1"], ["s1"]] and not any(s.kept for s in history)
-    assert orchestrator.statuses()["s1"]["model_hash"] == orchestrator.global_hash == history[-1].model_hash
+        second.stop()
+    assert [s.included for s in history] == [hosts, hosts] and not any(s.kept for s in history)
+    assert held == {orchestrator.global_hash} == {history[-1].model_hash}
     assert fetched == []
     seen = proxy.seen[before:]
-    assert len(signed(seen, "PUT", "/delta/s1/")) == 4, "two shards a round"
-    assert len(signed(seen, "GET", "/delta/s1/")) == 4, "each reduce GETs its shard"
+    for host in hosts:
+        assert len(signed(seen, "PUT", f"/delta/{host}/")) == 4, "two shards a round"
+        assert len(signed(seen, "GET", f"/delta/{host}/")) == 4, "each shard GOT by its reducer"
     for kind in ("sync", "state", "velocity"):
         assert len(signed(seen, "PUT", f"/{kind}/")) == 4, kind
-    assert len(signed(seen, "GET", "/sync/")) == 4, "the host applies both sync shards a round"
+    assert len(signed(seen, "GET", "/sync/")) == 8, "each host applies both sync shards a round"
     assert not [r for r in seen if "/sharded/" in r.path and "X-Amz-Signature=" not in r.query]
     orchestrator.close()

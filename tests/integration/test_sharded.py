@@ -464,3 +464,35 @@ def test_an_orchestrator_killed_between_a_rounds_reduce_and_its_sync_is_resumed(
     assert [s.model_hash for s in history] == star_hashes
     assert {st["model_hash"] for st in resumed.statuses().values()} == {resumed.global_hash}
     resumed.close()
+
+
+def test_a_round_that_cannot_close_falls_back_to_the_star_path(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Every reduce of round 1 is refused (an outer rule no worker takes), so the round cannot
+    close: the orchestrator folds it from the hosts' shards (the model and velocity assembled
+    from the store's shards), syncs it by the star path and writes them back as shards; round 2
+    is sharded again. The models are the star session's, round after round."""
+    client, store = cluster
+    (tmp_path / "ref").mkdir()
+    star = orchestrated(client, store, tmp_path / "ref", "fallback-ref", "star")
+    star_hashes = [s.model_hash for s in star.run(3)]
+    star.close()
+    sharded = orchestrated(client, store, tmp_path, "fallback", "sharded")
+    send = client.reduce_shard
+
+    def reduce_shard(host: str, **arguments: Any) -> Any:
+        if sharded.next_round == 1:
+            arguments = {**arguments, "outer": {"lr": -1.0}}
+        return send(host, **arguments)
+
+    client.reduce_shard = reduce_shard  # type: ignore[method-assign]
+    try:
+        history = sharded.run(3)
+    finally:
+        client.reduce_shard = send  # type: ignore[method-assign]
+    assert [s.model_hash for s in history] == star_hashes
+    assert all(s.included == HOSTS and not s.kept for s in history), history
+    events = [(e["event"], e["round"]) for e in sharded.story]
+    assert ("sharded-failed", 1) in events and ("star-fallback", 1) in events, events
+    assert ("sharded-sync", 0) in events and ("sharded-sync", 2) in events, events
+    assert {st["model_hash"] for st in sharded.statuses().values()} == {sharded.global_hash}
+    sharded.close()

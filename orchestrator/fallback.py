@@ -1,0 +1,118 @@
+"""The star path as a sharded round's fallback (docs/SHARDED.md): when a sharded round cannot
+close (its reduces keep failing) or fewer than two hosts contributed, the orchestrator folds the
+round itself, from the same objects the hosts wrote.
+
+The global model and the outer optimiser's velocity are assembled from the store's state and
+velocity shards (each checked against the partition and its recorded hash; the non-floating keys
+from the session's first model, which no sync changes), each contributor's delta from its P
+shards (checked against the hashes its round reported; a host whose shard does not hold is left
+out), summed in sorted host order. After the star sync the new model and velocity are written
+back as shards, so the next round is sharded again. Only this path moves tensor bytes through
+the orchestrator.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from executor.delta import state_hash, write_delta
+from executor.errors import BadArtifact
+from executor.reduce import Partition, flat_slice, partition, read_delta_shard
+from orchestrator.aggregate import RunningMean
+from orchestrator.artifacts import ArtifactStore
+
+
+def model_split(model: Mapping[str, torch.Tensor], count: int) -> Partition:
+    """The session's partition, from its first model (the layout every round keeps)."""
+    keys = [(name, model[name].numel()) for name in sorted(model) if model[name].is_floating_point()]
+    return partition(keys, count)
+
+
+def _fetch_shard(
+    store: ArtifactStore, scratch: str, name: str, expected: str, split: Partition, index: int
+) -> dict[str, torch.Tensor]:
+    local = os.path.join(scratch, "fallback-shard.zst")
+    store.fetch(name, local)
+    try:
+        values = read_delta_shard(local, split, index)
+    finally:
+        os.unlink(local)
+    if state_hash(values) != expected:
+        raise BadArtifact(f"{name} does not match its hash")
+    return values
+
+
+def assemble(
+    store: ArtifactStore,
+    scratch: str,
+    layout: Mapping[str, torch.Tensor],
+    split: Partition,
+    objects: list[dict[str, str]],
+    *,
+    floats_only: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A whole state (fp32 floating keys) from its shard objects; the non-floating keys from
+    ``layout`` unless ``floats_only`` (the velocity)."""
+    out = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in layout.items() if v.is_floating_point()}
+    for index, item in enumerate(objects):
+        values = _fetch_shard(store, scratch, item["name"], item["hash"], split, index)
+        for piece in split.shard(index):
+            if piece.key in values:
+                flat_slice(out[piece.key], piece).copy_(values[piece.key])
+    if not floats_only:
+        out.update({k: v for k, v in layout.items() if not v.is_floating_point()})
+    return out
+
+
+def fold(
+    store: ArtifactStore,
+    scratch: str,
+    layout: Mapping[str, torch.Tensor],
+    split: Partition,
+    shards_of: Mapping[str, list[tuple[str, str]]],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The mean of the contributors' deltas (``host -> [(object name, hash)]`` by shard), each
+    assembled from its shards and added in sorted host order; and why the others were left out."""
+    mean, refused = RunningMean(layout), {}
+    for host in sorted(shards_of):
+        delta: dict[str, torch.Tensor] = {}
+        try:
+            for index, (name, expected) in enumerate(shards_of[host]):
+                for key, value in _fetch_shard(store, scratch, name, expected, split, index).items():
+                    if key not in delta:
+                        delta[key] = torch.zeros(layout[key].shape, dtype=value.dtype)
+                    piece = next(p for p in split.shard(index) if p.key == key)
+                    flat_slice(delta[key], piece).copy_(value)
+        except (BadArtifact, OSError) as exc:
+            refused[host] = f"its shard was refused by the fallback fold: {exc}"
+            continue
+        mean.add(delta)
+    return (mean.mean() if mean.count else {}), refused
+
+
+def publish_split(
+    store: ArtifactStore,
+    scratch: str,
+    state: Mapping[str, torch.Tensor],
+    split: Partition,
+    name_of: Any,
+) -> list[dict[str, str]]:
+    """``state``'s floating keys written as the partition's shard objects (fp32 slices), named
+    ``name_of(index)``: their names and hashes."""
+    out = []
+    for index in range(len(split)):
+        values = {
+            p.key: flat_slice(state[p.key].to(torch.float32), p).contiguous()
+            for p in split.shard(index)
+            if p.key in state
+        }
+        local = os.path.join(scratch, "fallback-out.zst")
+        written = write_delta(values, local)
+        store.publish(name_of(index), local)
+        os.unlink(local)
+        out.append({"name": name_of(index), "hash": written.hash})
+    return out
