@@ -25,7 +25,7 @@ once a round's reduces are done and again once its hosts agree: a resumed sessio
 round was reduced but not synced brings its hosts to that round's model (:meth:`ShardedLoop.settle`).
 A round with fewer than two contributors, or whose reduces cannot all complete, is folded by the
 orchestrator instead (:mod:`orchestrator.fallback`: the star path, once). Not built yet: int8/int4
-sharded deltas and syncs, overlapped sharded rounds.
+sharded syncs (the hosts' deltas may be quantised), overlapped sharded rounds.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def checked_sharding(session: Session) -> int:
         return 1
     if session.overlap:
         raise ValueError("a sharded session is not overlapped yet (docs/SHARDED.md)")
-    if session.delta_dtype not in FLOAT_DTYPES or session.sync_delta_dtype not in FLOAT_DTYPES:
-        raise ValueError("a sharded session ships float deltas and syncs (float16, bfloat16, float32)")
+    if session.sync_delta_dtype not in FLOAT_DTYPES:
+        raise ValueError("a sharded session's syncs are float (float16, bfloat16, float32)")
     count = session.shard_count or session.max_hosts or len(session.hosts)
     if not isinstance(count, int) or not 2 <= count <= MAX_SHARDS:
         raise ValueError(f"a sharded session has 2-{MAX_SHARDS} shards, not {count!r}")

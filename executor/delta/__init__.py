@@ -24,7 +24,7 @@ encoder and the bit-exact decoder, ``QuantizedDelta``). ``_decode``, ``_wire`` a
 
 from executor.delta._apply import apply_sync_delta
 from executor.delta._decode import max_delta_bytes, max_delta_tensors, zstd_bound
-from executor.delta._feedback import ErrorFeedback, SyncFeedback
+from executor.delta._feedback import ErrorFeedback, ResidualUpdate, SyncFeedback
 from executor.delta._quant import (
     DeltaFormat,
     QuantizedDelta,
@@ -75,6 +75,7 @@ __all__ = [
     "QuantScheme",
     "QuantTensor",
     "QuantizedDelta",
+    "ResidualUpdate",
     "StreamStateHash",
     "SyncDelta",
     "SyncFeedback",

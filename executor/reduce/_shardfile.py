@@ -20,6 +20,8 @@ from executor.delta import (
     DeltaFile,
     QuantizedDelta,
     QuantScheme,
+    QuantTensor,
+    ResidualUpdate,
     max_delta_bytes,
     quantize,
     read_delta,
@@ -29,7 +31,7 @@ from executor.delta import (
 )
 from executor.errors import BadArtifact
 from executor.reduce._partition import Partition, Slice, flat_slice
-from executor.tensorfile import Header, TensorSpec, read_header, read_into, tensor_bytes
+from executor.tensorfile import Header, TensorSpec, read_header, read_into, read_tensor, tensor_bytes
 
 
 def read_slice(file: object, header: Header, spec: TensorSpec, piece: Slice) -> torch.Tensor:
@@ -47,14 +49,20 @@ def write_delta_shards(
     partition: Partition,
     dtype: torch.dtype | QuantScheme,
     paths: Sequence[str],
+    feedback: ResidualUpdate | None = None,
 ) -> list[DeltaFile]:
     """``trained - start`` as the partition's shard files (``paths[j]`` for shard ``j``), each
-    hashed as it is written. A shape change is a ``ValueError``; so is a quantised format whose
-    block the partition's cuts do not respect."""
+    hashed as it is written. A float delta is made one shard at a time; a quantised one key by
+    key (with ``feedback``, the previous residual added to each key first and the next staged
+    whole: its blocks are the whole key's, cut where the shards are), its codes held until the
+    shards are written. A shape change, or a non-finite value in a quantised delta, is a
+    ``ValueError``; so is a quantised format whose block the partition's cuts do not respect."""
     if len(paths) != len(partition):
         raise ValueError(f"{len(partition)} shards need as many paths, got {len(paths)}")
-    if isinstance(dtype, QuantScheme) and partition.align % dtype.block_size:
-        raise ValueError(f"the partition's alignment {partition.align} cuts {dtype.name} blocks")
+    if isinstance(dtype, QuantScheme):
+        if partition.align % dtype.block_size:
+            raise ValueError(f"the partition's alignment {partition.align} cuts {dtype.name} blocks")
+        return _quantized_shards(start_path, trained, partition, dtype, paths, feedback)
     written = []
     with open(start_path, "rb") as start:
         header = read_header(start)
@@ -68,14 +76,46 @@ def write_delta_shards(
                 if cached is None or cached[0] != piece.key:
                     cached = (piece.key, trained[piece.key])
                 base = read_slice(start, header, header.specs[piece.key], piece)
-                cast = torch.float32 if isinstance(dtype, QuantScheme) else dtype
-                values[piece.key] = trained_diff(flat_slice(cached[1], piece), base, cast)
-            if isinstance(dtype, QuantScheme):
-                codes = {key: quantize(value, dtype) for key, value in values.items()}
-                written.append(write_delta(QuantizedDelta(dtype, codes), path))
-            else:
-                written.append(write_delta(values, path))
+                values[piece.key] = trained_diff(flat_slice(cached[1], piece), base, dtype)
+            written.append(write_delta(values, path))
     return written
+
+
+def _quantized_shards(
+    start_path: str,
+    trained: Mapping[str, torch.Tensor],
+    partition: Partition,
+    scheme: QuantScheme,
+    paths: Sequence[str],
+    feedback: ResidualUpdate | None,
+) -> list[DeltaFile]:
+    codes: list[dict[str, QuantTensor]] = [{} for _ in paths]
+    where: dict[str, list[tuple[int, Slice]]] = {}
+    for index in range(len(partition)):
+        for piece in partition.shard(index):
+            where.setdefault(piece.key, []).append((index, piece))
+    with open(start_path, "rb") as start:
+        header = read_header(start)
+        names = trained_keys(header, trained)
+        shapes = {n: header.specs[n].shape for n in names}
+        if feedback is not None:
+            feedback.begin(sorted(shapes.items()))
+        for name in names:
+            value = trained_diff(trained[name], read_tensor(start, header, header.specs[name]), torch.float32)
+            previous = feedback.previous(name, shapes[name]) if feedback is not None else None
+            if previous is not None:
+                value.add_(previous)
+            dequantized = torch.empty(value.shape, dtype=torch.float32)
+            for index, piece in where.get(name, []):
+                try:
+                    codes[index][name] = quantize(
+                        flat_slice(value, piece), scheme, dequantized=flat_slice(dequantized, piece)
+                    )
+                except ValueError:
+                    raise ValueError(f"trained {name!r} has inf or nan: it cannot be quantised") from None
+            if feedback is not None:
+                feedback.put(name, value.sub_(dequantized))
+    return [write_delta(QuantizedDelta(scheme, c), path) for c, path in zip(codes, paths, strict=True)]
 
 
 def shard_bound(partition: Partition, index: int) -> int:

@@ -191,8 +191,8 @@ class RoundRequest:
     ) -> RoundRequest:
         if not 2 <= len(urls) <= MAX_SHARDS:
             raise InvalidRequest(f"a sharded delta_url is a list of 2-{MAX_SHARDS} URLs, got {len(urls)}")
-        if not isinstance(delta_format, torch.dtype):
-            raise InvalidRequest("a sharded round ships a float delta (float16, bfloat16 or float32)")
+        if isinstance(delta_format, QuantScheme) and SHARD_ALIGN % delta_format.block_size:
+            raise InvalidRequest(f"a sharded round's quantised blocks must divide {SHARD_ALIGN} elements")
         if self.overlap is not None:
             raise InvalidRequest("a sharded round is not overlapped (docs/SHARDED.md)")
         shards = tuple(required_url(f"delta_url[{n}]", url) for n, url in enumerate(urls))

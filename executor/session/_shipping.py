@@ -100,24 +100,36 @@ def ship_shards(
 ) -> DeltaInfo:
     """A sharded round's delta (docs/SHARDED.md): ``trained - original`` written as the
     partition's shard files in one pass over the model, each hashed as written, then PUT to its
-    URL in shard order; the result reports each shard's hash and size."""
+    URL in shard order; the result reports each shard's hash and size. A quantised one carries
+    the session's residual (error feedback), committed once every shard is delivered."""
     urls = request.delta_shards or ()
     dirs = SessionDir(work_dir)
     os.makedirs(dirs.deltas, exist_ok=True)
     paths = [dirs.round_delta(request.spec.round_num) + f".shard-{n}" for n in range(len(urls))]
+    quantised = isinstance(request.delta_format, QuantScheme)
     started = time.monotonic()
-    try:
-        with map_exceptions({}, where="the work dir (trained delta)"):
-            with open(model_path, "rb") as model:
-                header = read_header(model)
-            split, keys = model_partition(header.specs, len(urls)), len(trained_keys(header, trained or {}))
-            written = write_delta_shards(model_path, trained or {}, split, request.delta_format, paths)
-        wrote = time.monotonic()
-        for path, url in zip(paths, urls, strict=True):
-            transfer.upload(path, url, config=transfer_config, abort=abort)
-    finally:
-        for path in paths:
-            remove_quietly(path)
+    with contextlib.ExitStack() as stack:
+        residual = stack.enter_context(ErrorFeedback(work_dir).next_round()) if quantised else None
+        try:
+            with map_exceptions({}, where="the work dir (trained delta)"):
+                with open(model_path, "rb") as model:
+                    header = read_header(model)
+                split, keys = (
+                    model_partition(header.specs, len(urls)),
+                    len(trained_keys(header, trained or {})),
+                )
+                written = write_delta_shards(
+                    model_path, trained or {}, split, request.delta_format, paths, feedback=residual
+                )
+            wrote = time.monotonic()
+            for path, url in zip(paths, urls, strict=True):
+                transfer.upload(path, url, config=transfer_config, abort=abort)
+        finally:
+            for path in paths:
+                remove_quietly(path)
+        if residual is not None:
+            with map_exceptions({}, where="the work dir (error feedback)"):
+                residual.commit()
     return DeltaInfo(
         sum(w.bytes for w in written), None, format_name(request.delta_format), keys,
         write_s=wrote - started, upload_s=time.monotonic() - wrote, url=str(urls[0]) if urls else None,

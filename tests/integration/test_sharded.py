@@ -297,14 +297,14 @@ def test_a_sharded_round_end_to_end_leaves_every_host_on_the_star_paths_model(
 
 
 def orchestrated(
-    client: RoundClient, store: Any, tmp_path: Path, tenant: str, aggregation: str
+    client: RoundClient, store: Any, tmp_path: Path, tenant: str, aggregation: str, **options: Any
 ) -> Orchestrator:  # fmt: skip
     shards = [
         {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
         for name, path in build_shards(tmp_path)
     ]
     session = Session(
-        HOSTS, shards, TRAIN, params={"lr": 0.2}, steps=5, tenant=tenant, aggregation=aggregation
+        HOSTS, shards, TRAIN, params={"lr": 0.2}, steps=5, tenant=tenant, aggregation=aggregation, **options
     )
     orchestrator = Orchestrator(client, store, build_model(), session)
     orchestrator.load()
@@ -495,4 +495,19 @@ def test_a_round_that_cannot_close_falls_back_to_the_star_path(cluster, tmp_path
     assert ("sharded-failed", 1) in events and ("star-fallback", 1) in events, events
     assert ("sharded-sync", 0) in events and ("sharded-sync", 2) in events, events
     assert {st["model_hash"] for st in sharded.statuses().values()} == {sharded.global_hash}
+    sharded.close()
+
+
+def test_an_int8_sharded_session_is_the_int8_star_sessions_model(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """int8 deltas with error feedback, sharded: each host's blocks are its whole delta's, cut
+    where the shards are, and its residual the same; three rounds, the star session's models."""
+    client, store = cluster
+    (tmp_path / "ref").mkdir()
+    star = orchestrated(client, store, tmp_path / "ref", "int8-ref", "star", delta_dtype="int8")
+    star_hashes = [s.model_hash for s in star.run(3)]
+    star.close()
+    sharded = orchestrated(client, store, tmp_path, "int8-sharded", "sharded", delta_dtype="int8")
+    history = sharded.run(3)
+    assert [s.model_hash for s in history] == star_hashes
+    assert all(s.included == HOSTS and s.via == dict.fromkeys(HOSTS, "delta") for s in history), history
     sharded.close()

@@ -145,3 +145,51 @@ def test_the_sharded_reduction_is_the_star_paths_outer_step_and_sync_bit_for_bit
                 assert torch.equal(out.result[p.key], sync.result[p.key].reshape(-1)[p.start : p.stop]), p
                 assert torch.equal(out.velocity[p.key], star.velocity[p.key].reshape(-1)[p.start : p.stop])
         theta = sync.result
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantised_shards_with_error_feedback_are_the_whole_deltas_slices_round_after_round(
+    tmp_path: Path, fmt: str
+) -> None:
+    """Two rounds with the session's residual: each round's shards dequantise to the slices of
+    the whole delta written with the same residual, and the residual they leave is the same."""
+    from executor.delta import ErrorFeedback
+
+    start = {k: v for k, v in model(3).items() if k != "d.weight"}
+    save_file(start, str(tmp_path / "start.safetensors"))
+    with open(tmp_path / "start.safetensors", "rb") as f:
+        split = model_partition(read_header(f).specs, 3, align=4096)
+    scheme = QuantScheme.named(fmt)
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "whole").mkdir()
+    for round_num in range(2):
+        g = torch.Generator().manual_seed(round_num)
+        trained = {
+            k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in start.items()
+        }
+        paths = [str(tmp_path / f"s{round_num}-{j}") for j in range(3)]
+        with ErrorFeedback(str(tmp_path / "sharded")).next_round() as residual:
+            write_delta_shards(
+                str(tmp_path / "start.safetensors"), trained, split, scheme, paths, feedback=residual
+            )
+            residual.commit()
+        with ErrorFeedback(str(tmp_path / "whole")).next_round() as residual:
+            write_result_delta(
+                str(tmp_path / "start.safetensors"),
+                trained,
+                str(tmp_path / "w"),
+                dtype=scheme,
+                feedback=residual,
+            )
+            residual.commit()
+        expected = read_delta(str(tmp_path / "w"))
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for j in range(3):
+            for key, value in read_delta_shard(paths[j], split, j).items():
+                pieces.setdefault(key, []).append(value)
+        for key, value in expected.items():
+            assert torch.equal(torch.cat(pieces[key]), value.reshape(-1)), (round_num, key)
+    left = ErrorFeedback(str(tmp_path / "sharded")).load()
+    whole = ErrorFeedback(str(tmp_path / "whole")).load()
+    assert set(left) == set(whole) and all(torch.equal(left[k], whole[k]) for k in whole)
