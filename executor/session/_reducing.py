@@ -173,11 +173,11 @@ def reduce_on_host(
         velocity = _velocity(request.velocity, split, request.shard, scratch, transfer_config, abort)
     reduced = total.reduce(request.rule, theta, velocity, request.sync_dtype)
     shipped = {
-        name: _ship(values, url, scratch, name, transfer_config, abort)
-        for name, values, url in (
-            ("sync", reduced.sync, request.sync_url),
-            ("state", reduced.result, request.state_url),
-            ("velocity", reduced.velocity, request.velocity_url),
+        name: _ship(values, url, scratch, name, transfer_config, abort, shard)
+        for name, values, url, shard in (
+            ("sync", reduced.sync, request.sync_url, None),
+            ("state", reduced.result, request.state_url, None),
+            ("velocity", reduced.velocity, request.velocity_url, request.shard),
         )
     }
     return {
@@ -229,11 +229,15 @@ def _velocity(
     abort: threading.Event,
 ) -> dict[str, torch.Tensor]:
     url, expected = velocity
-    path = _download(url, shard_bound(split, shard), scratch, "velocity", config, abort)
-    try:
-        values = read_delta(path, max_bytes=shard_bound(split, shard), allow_torch=False)
-    finally:
-        remove_quietly(path)
+    kept = _kept_velocity(scratch, shard, expected)
+    if os.path.exists(kept):  # this host reduced the shard last round: its own copy, checked as any
+        values = read_delta(kept, max_bytes=shard_bound(split, shard), allow_torch=False)
+    else:
+        path = _download(url, shard_bound(split, shard), scratch, "velocity", config, abort)
+        try:
+            values = read_delta(path, max_bytes=shard_bound(split, shard), allow_torch=False)
+        finally:
+            remove_quietly(path)
     if state_hash(values, scheme=expected.partition(":")[0]) != expected:
         raise BadArtifact("the shard's velocity does not match its recorded hash")
     lengths = {p.key: p.numel for p in split.shard(shard)}
@@ -243,6 +247,13 @@ def _velocity(
     return values
 
 
+def _kept_velocity(scratch: str, shard: int, velocity_hash: str) -> str:
+    """Where this host keeps the velocity it last made for ``shard`` (named by its hash): the
+    partition is fixed for the session, so while S is stable the shard's next reduce is here
+    and reads it instead of GETting it back (one of its objects less on the critical path)."""
+    return os.path.join(scratch, f"kept-velocity-{shard}-{velocity_hash.partition(':')[2]}.zst")
+
+
 def _ship(
     values: Mapping[str, torch.Tensor],
     url: Url,
@@ -250,11 +261,19 @@ def _ship(
     name: str,
     config: transfer.TransferConfig,
     abort: threading.Event,
+    shard: int | None = None,
 ) -> dict[str, Any]:
+    """``values`` written as a delta file and PUT; ``shard``: a velocity, kept afterwards (the
+    shard's earlier one removed)."""
     path = os.path.join(scratch, name)
     try:
         written: DeltaFile = write_delta(values, path)
         transfer.upload(path, url, config=config, abort=abort)
+        if shard is not None:
+            for old in os.listdir(scratch):
+                if old.startswith(f"kept-velocity-{shard}-"):
+                    remove_quietly(os.path.join(scratch, old))
+            os.replace(path, _kept_velocity(scratch, shard, written.hash))
     finally:
         remove_quietly(path)
     return {"hash": written.hash, "bytes": written.bytes}

@@ -130,7 +130,10 @@ def test_two_reducers_make_the_star_paths_sync_bit_for_bit_over_two_rounds(clust
     for round_num in range(2):
         base_hash = state_hash(theta)
         lists, deltas = contributions(store, theta, round_num, tmp_path)
+        before = len(store.requests)
         results = reduce_round(client, store, round_num, base_hash, lists, velocity)
+        # Each reducer kept the velocity it made for its shard: none is GOT back from the store.
+        assert not [r for r in store.requests[before:] if r[0] == "GET" and "/velocity/" in r[1]]
         # The star path: the mean in sorted host order, its outer step and float16 sync delta.
         order = sorted(deltas)
         mean = {k: sum((deltas[h][k] for h in order[1:]), deltas[order[0]][k].float()) / 3 for k in theta}
