@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from executor.delta import state_hash, write_delta
-from executor.errors import BadArtifact
+from executor.delta import write_delta
+from executor.errors import BadArtifact, HashMismatch
 from executor.reduce import Partition, flat_slice, partition, read_delta_shard
 from orchestrator.aggregate import RunningMean
 from orchestrator.artifacts import ArtifactStore
@@ -38,12 +38,9 @@ def _fetch_shard(
     local = os.path.join(scratch, "fallback-shard.zst")
     store.fetch(name, local)
     try:
-        values = read_delta_shard(local, split, index)
+        return read_delta_shard(local, split, index, expected)
     finally:
         os.unlink(local)
-    if state_hash(values) != expected:
-        raise BadArtifact(f"{name} does not match its hash")
-    return values
 
 
 def assemble(
@@ -87,7 +84,7 @@ def fold(
                         delta[key] = torch.zeros(layout[key].shape, dtype=value.dtype)
                     piece = next(p for p in split.shard(index) if p.key == key)
                     flat_slice(delta[key], piece).copy_(value)
-        except (BadArtifact, OSError) as exc:
+        except (BadArtifact, HashMismatch, OSError) as exc:
             refused[host] = f"its shard was refused by the fallback fold: {exc}"
             continue
         mean.add(delta)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from executor.delta import (
+    DEFAULT_SCHEME,
     DeltaFile,
     QuantizedDelta,
     QuantScheme,
@@ -25,11 +26,13 @@ from executor.delta import (
     max_delta_bytes,
     quantize,
     read_delta,
+    scheme_of,
+    state_hash,
     trained_diff,
     trained_keys,
     write_delta,
 )
-from executor.errors import BadArtifact
+from executor.errors import BadArtifact, HashMismatch
 from executor.reduce._partition import Partition, Slice, flat_slice
 from executor.tensorfile import Header, TensorSpec, read_header, read_into, read_tensor, tensor_bytes
 
@@ -124,10 +127,13 @@ def shard_bound(partition: Partition, index: int) -> int:
     return max_delta_bytes({p.key: torch.empty(p.numel, dtype=torch.float32, device="meta") for p in pieces})
 
 
-def read_delta_shard(path: str, partition: Partition, index: int) -> dict[str, torch.Tensor]:
+def read_delta_shard(
+    path: str, partition: Partition, index: int, expected: str | None = None
+) -> dict[str, torch.Tensor]:
     """A host's shard ``index`` (a downloaded file), its layout checked against the partition:
     key -> 1-D float32 slice (a key the host did not train is absent: zero). ``BadArtifact`` for
-    anything else."""
+    anything else; with ``expected`` (the hash its writer reported, its prefix naming the
+    scheme), ``HashMismatch`` unless its values hash to it."""
     pieces = {piece.key: piece for piece in partition.shard(index)}
     values = read_delta(path, max_bytes=shard_bound(partition, index), allow_torch=False)
     for key, value in values.items():
@@ -138,4 +144,6 @@ def read_delta_shard(path: str, partition: Partition, index: int) -> dict[str, t
             raise BadArtifact(
                 f"shard {index}'s {key!r} is {value.dtype} {tuple(value.shape)}, not {piece.numel} floats"
             )
+    if expected is not None and state_hash(values, scheme=scheme_of(expected, DEFAULT_SCHEME)) != expected:
+        raise HashMismatch(f"shard {index} does not match the hash its writer reported", {"shard": index})
     return values

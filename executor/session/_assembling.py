@@ -140,7 +140,7 @@ def _stream(
                     continue
                 for j, piece in pieces[name]:
                     if held is None or held[0] != j:
-                        held = (j, _checked(paths[j], sync.shards[j].hash, split, j))
+                        held = (j, read_delta_shard(paths[j], split, j, sync.shards[j].hash))
                     made = apply_rule(read_slice(base, header, spec, piece), held[1].get(name)).contiguous()
                     hash_entry_header(shard_hashes[j], name, torch.float32, (piece.numel,))
                     for hasher in (shard_hashes[j], full):
@@ -233,15 +233,6 @@ def _download(
     return path
 
 
-def _checked(path: str, expected: str, split: Partition, index: int) -> dict[str, torch.Tensor]:
-    """A downloaded shard, its layout checked against the partition and its hash against the
-    one its writer reported."""
-    values = read_delta_shard(path, split, index)
-    if state_hash(values, scheme=scheme_of(expected, DEFAULT_SCHEME)) != expected:
-        raise HashMismatch(f"shard {index} does not match its hash", {"shard": index})
-    return values
-
-
 def _fetch_checked(
     files: ModelFiles,
     url: Url,
@@ -253,6 +244,6 @@ def _fetch_checked(
 ) -> dict[str, torch.Tensor]:
     path = _download(files, url, split, index, abort, config)
     try:
-        return _checked(path, expected, split, index)
+        return read_delta_shard(path, split, index, expected)
     finally:
         remove_quietly(path)
