@@ -117,6 +117,8 @@ class ApplyOutcome:
     # ``bad_artifact``, ``download_failed``, ...), or ``delta_not_offered`` / ``no_base_model``.
     fallback: ErrorInfo | None = None
     noop: bool = False
+    # A sharded apply's ``store`` orders: each shard's deferred state and velocity PUT, or why not.
+    stored: list[dict[str, Any]] | None = None
 
     @property
     def fallback_reason(self) -> str | None:
@@ -135,4 +137,6 @@ class ApplyOutcome:
             out["fallback_reason"] = self.fallback_reason
         if self.noop:
             out["noop"] = True
+        if self.stored is not None:
+            out["stored"] = self.stored
         return out

@@ -20,7 +20,10 @@ only those listed before it (and ``tasks.client``, ``tasks.names``, ``tasks.over
 - ``records``: what a session trains (``Session``) and what each round did (``RoundSummary``)
 - ``overlap``: overlapped rounds: the next round trains while the last one's sync is built,
   published and ordered on the hosts (docs/OVERLAP.md)
-- ``fallback``: the star path as a sharded round's fallback (the round folded from the hosts' shards)
+- ``fallback``: the star path as a sharded round's fallback (the round folded from the hosts' shards),
+  and one shard's state and velocity made again when its reducer's deferred store was not confirmed
+- ``sharded_state``: the global model as the store holds it in a sharded session (``ShardedState``)
+  and its reducers' deferred store, confirmed or restored
 - ``sharded``: sharded rounds: the hosts reduce each round among themselves, no tensor byte
   through the orchestrator (docs/SHARDED.md)
 - ``diloco``: the ``ArtifactStore`` protocol and the ``Orchestrator`` (the sequential round)

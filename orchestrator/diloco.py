@@ -52,7 +52,8 @@ from orchestrator.outer import OuterOptimizer, mean_delta
 from orchestrator.overlap import OverlappedLoop, await_uploads
 from orchestrator.phases import PhaseClock, worker_phases
 from orchestrator.records import RoundSummary, Session
-from orchestrator.sharded import ShardedLoop, ShardedState, checked_sharding
+from orchestrator.sharded import ShardedLoop
+from orchestrator.sharded_state import ShardedState, checked_sharding
 from tasks.client import RoundClient
 
 __all__ = [

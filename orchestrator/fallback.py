@@ -7,8 +7,14 @@ velocity shards (each checked against the partition and its recorded hash; the n
 from the session's first model, which no sync changes), each contributor's delta from its P
 shards (checked against the hashes its round reported; a host whose shard does not hold is left
 out), summed in sorted host order. After the star sync the new model and velocity are written
-back as shards, so the next round is sharded again. Only this path moves tensor bytes through
-the orchestrator.
+back as shards, so the next round is sharded again.
+
+:func:`restore_shard` makes one shard's state and velocity again when its reducer's deferred
+store was not confirmed (its host lost between its reduce and its apply, its PUT failed, or the
+orchestrator resumed in between): from the shard's previous state and velocity, the round's
+contributions and its sync object, all immutable in the store, by the reducer's own functions.
+These two paths, both for failures, are the only ones that move tensor bytes through the
+orchestrator.
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from typing import Any
 
 import torch
 
-from executor.delta import write_delta
+from executor.delta import DEFAULT_SCHEME, apply_rule, scheme_of, state_hash, write_delta
 from executor.errors import BadArtifact, HashMismatch
-from executor.reduce import Partition, flat_slice, partition, read_delta_shard
+from executor.reduce import OuterRule, Partition, ShardSum, flat_slice, partition, read_delta_shard
 from orchestrator.aggregate import RunningMean
 from orchestrator.artifacts import ArtifactStore
 
@@ -107,9 +113,54 @@ def publish_split(
             for p in split.shard(index)
             if p.key in state
         }
-        local = os.path.join(scratch, "fallback-out.zst")
-        written = write_delta(values, local)
-        store.publish(name_of(index), local)
-        os.unlink(local)
-        out.append({"name": name_of(index), "hash": written.hash})
+        out.append({"name": name_of(index), "hash": publish_values(store, scratch, name_of(index), values)})
     return out
+
+
+def publish_values(store: ArtifactStore, scratch: str, name: str, values: Mapping[str, torch.Tensor]) -> str:
+    """``values`` written as a delta file and published as ``name``: its hash."""
+    local = os.path.join(scratch, "fallback-out.zst")
+    try:
+        written = write_delta(values, local)
+        store.publish(name, local)
+    finally:
+        if os.path.exists(local):
+            os.unlink(local)
+    return written.hash
+
+
+def restore_shard(
+    store: ArtifactStore,
+    scratch: str,
+    layout: Mapping[str, torch.Tensor],
+    split: Partition,
+    index: int,
+    objects: Mapping[str, Any],
+    rule: OuterRule,
+    sync_dtype: torch.dtype,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Shard ``index``'s new state and velocity, made again. ``objects``: ``theta`` (the previous
+    state shard, or None: the session's first model, ``layout``), ``velocity`` (the previous one,
+    or None), ``contributions`` (in sorted host order) and ``sync``, each ``{name, hash}``; and
+    ``result_hash``, what every host checked the sync makes. The state is the sync applied to
+    theta (what the hosts hold: checked against ``result_hash``), the velocity the reducer's
+    outer step on the contributions' mean (deterministic: the sum in the same order)."""
+
+    def fetch(item: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        return _fetch_shard(store, scratch, item["name"], item["hash"], split, index)
+
+    pieces = split.shard(index)
+    theta = (
+        fetch(objects["theta"])
+        if objects.get("theta")
+        else {p.key: flat_slice(layout[p.key], p).clone() for p in pieces}
+    )
+    total = ShardSum()
+    for item in objects["contributions"]:
+        total.add(fetch(item))
+    velocity = fetch(objects["velocity"]) if objects.get("velocity") else None
+    sync = fetch(objects["sync"])
+    state = {p.key: apply_rule(theta[p.key], sync.get(p.key)) for p in pieces}
+    if state_hash(state, scheme=scheme_of(objects["result_hash"], DEFAULT_SCHEME)) != objects["result_hash"]:
+        raise HashMismatch(f"shard {index}'s sync does not make the state its hosts hold", {"shard": index})
+    return state, total.reduce(rule, theta, velocity, sync_dtype).velocity

@@ -17,12 +17,16 @@ host ends on one model. A round:
 4. ``apply_delta`` on every active host with the P sync shards: each host checks every shard
    and reports the model's hash; the round's new global hash is the one the hosts agree on
    (a host that reports another is re-synced: it assembles the model from the state shards).
+   A reducer's apply also PUTs the state and velocity its reduce kept (deferred off the reduce:
+   nothing reads them before a later round); a shard no apply confirms is restored
+   (:mod:`orchestrator.sharded_state`).
 
 What the orchestrator keeps of the model is its hash and the names and hashes of its state
-and velocity shards (``ShardedState``): a joining or re-syncing host assembles the model from
-them and the session's first model (its layout). The checkpoint holds that record, written
-once a round's reduces are done and again once its hosts agree: a resumed session whose last
-round was reduced but not synced brings its hosts to that round's model (:meth:`ShardedLoop.settle`).
+and velocity shards (``ShardedState``, :mod:`orchestrator.sharded_state`): a joining or
+re-syncing host assembles the model from them and the session's first model (its layout).
+The checkpoint holds that record, written once a round's reduces are done and again once its
+hosts agree: a resumed session whose last round was reduced but not synced restores its state
+and velocity shards and brings its hosts to that round's model (:meth:`ShardedLoop.settle`).
 A round with fewer than two contributors, or whose reduces cannot all complete, is folded by the
 orchestrator instead (:mod:`orchestrator.fallback`: the star path, once). Not built yet: int8/int4
 sharded syncs (the hosts' deltas may be quantised), overlapped sharded rounds.
@@ -33,12 +37,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from executor.reduce import MAX_SHARDS
+from executor.reduce import OuterRule
 from orchestrator.artifacts import ArtifactStore
 from orchestrator.checkpoint import StateDir
 from orchestrator.collect import Deadline, Ending, Outcome, Waiter, round_failure, round_loss
@@ -48,6 +51,7 @@ from orchestrator.membership import HostState, Membership
 from orchestrator.outer import OuterOptimizer
 from orchestrator.phases import PhaseClock, worker_phases
 from orchestrator.records import RoundSummary, Session
+from orchestrator.sharded_state import Restore, ShardedState
 from tasks.client import RoundClient
 
 logger = logging.getLogger(__name__)
@@ -89,73 +93,6 @@ class Driver(Protocol):
     def finish_round(self, summary: RoundSummary) -> None: ...
 
     def note(self, host: str | None, event: str, round_num: int, **data: Any) -> None: ...
-
-
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-
-
-def checked_sharding(session: Session) -> int:
-    """The session's shard count (1 in a star session); a sharded session it cannot run is a
-    ``ValueError``."""
-    if session.aggregation not in ("star", "sharded"):
-        raise ValueError(f"aggregation must be 'star' or 'sharded', got {session.aggregation!r}")
-    if session.aggregation == "star":
-        return 1
-    if session.overlap:
-        raise ValueError("a sharded session is not overlapped yet (docs/SHARDED.md)")
-    if session.sync_delta_dtype not in FLOAT_DTYPES:
-        raise ValueError("a sharded session's syncs are float (float16, bfloat16, float32)")
-    count = session.shard_count or session.max_hosts or len(session.hosts)
-    if not isinstance(count, int) or not 2 <= count <= MAX_SHARDS:
-        raise ValueError(f"a sharded session has 2-{MAX_SHARDS} shards, not {count!r}")
-    return count
-
-
-@dataclass
-class ShardedState:
-    """The global model as the store holds it after a sharded round: its state shards and the
-    outer optimiser's velocity shards (object name and hash each), in shard order; checkpointed
-    once the round's reduces are done (``global_hash`` None until its hosts agreed on it)."""
-
-    count: int
-    run_id: str
-    state: list[dict[str, str]] = field(default_factory=list)
-    velocity: list[dict[str, str]] = field(default_factory=list)
-    round: int = -1  # the round whose reduce made ``state``
-    global_hash: str | None = None
-    summary: dict[str, Any] | None = None  # that round's contributors and losses, until its sync
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "count": self.count, "state": self.state, "velocity": self.velocity, "round": self.round,
-            "global_hash": self.global_hash, "summary": self.summary,
-        }  # fmt: skip
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], run_id: str) -> ShardedState:
-        return cls(
-            int(data["count"]), run_id, list(data["state"]), list(data["velocity"]), int(data["round"]),
-            data.get("global_hash"), data.get("summary"),
-        )  # fmt: skip
-
-    def name(self, round_num: int, kind: str, shard: int, host: str | None = None) -> str:
-        where = f"{kind}/{host}" if host is not None else kind
-        return f"sharded/{self.run_id}/round-{round_num}/{where}/{shard}.safetensors.zst"
-
-    def sync_shards(
-        self, store: ArtifactStore, sync: list[dict[str, str]] | None = None
-    ) -> list[dict[str, Any]]:
-        """``apply_delta``'s ``delta_url`` for the model these shards make: each shard's sync
-        object (when given: the round's) and its state object, with their hashes."""
-        out = []
-        for j, state in enumerate(self.state):
-            entry = {"result_hash": state["hash"], "state_url": store.url_get(state["name"])}
-            if sync is not None:
-                entry.update(url=store.url_get(sync[j]["name"]), hash=sync[j]["hash"])
-            else:  # no sync to apply: the state itself, applied to nothing (assembled)
-                entry.update(url=entry["state_url"], hash=state["hash"])
-            out.append(entry)
-        return out
 
 
 class ShardedLoop:
@@ -213,7 +150,13 @@ class ShardedLoop:
         if reduced is None and not star:
             o.note(None, "model-kept", round_num, completed=len(contributors), min_hosts=session.min_hosts)
         elif reduced is not None:
-            sync, sharded.state, sharded.velocity = reduced
+            sync, state, velocity, reducers = reduced
+            sharded.pending = {
+                "reducers": reducers, "sync": sync, "theta": sharded.state, "velocity": sharded.velocity,
+                "run": sharded.run_id,
+                "hashes": {h: [s["hash"] for s in outcomes[h].result["delta"]["shards"]] for h in included},  # type: ignore[index]
+            }  # fmt: skip
+            sharded.state, sharded.velocity = state, velocity
             sharded.round, sharded.global_hash = round_num, None
             sharded.summary = {"included": included, "excluded": excluded, "losses": losses}
             self.save()  # before any host is told: a resumed session brings them to this model
@@ -296,10 +239,11 @@ class ShardedLoop:
         outcomes: Mapping[str, Outcome],
         contributors: list[str],
         excluded: dict[str, str],
-    ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]] | None:
-        """Every shard reduced (sync, state and velocity objects, name and hash each), or None
-        when the round cannot close. A contributor whose shard a reducer refused leaves S (in
-        ``excluded``) and the reduce starts again without it."""
+    ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]], dict[str, str]] | None:
+        """Every shard reduced (sync, state and velocity objects, name and hash each; who reduced
+        each shard, its state and velocity still to be stored), or None when the round cannot
+        close. A contributor whose shard a reducer refused leaves S (in ``excluded``) and the
+        reduce starts again without it."""
         o = self.o
         while len(contributors) >= o.session.min_hosts:
             done, refused = self._reduce_all(round_num, outcomes, contributors)
@@ -318,6 +262,7 @@ class ShardedLoop:
         count = sharded.count
         tries = dict.fromkeys(range(count), 0)
         results: dict[int, dict[str, Any]] = {}
+        reducers: dict[str, str] = {}
         while len(results) < count:
             wave: dict[str, int] = {}  # one reduce a host at a time (the Waiter keys by host)
             for j in sorted(set(range(count)) - set(results)):
@@ -335,7 +280,7 @@ class ShardedLoop:
             for host, outcome in o.waiter.wait(pending, Deadline(o.session.sync_timeout_s)).items():
                 j = wave[host]
                 if outcome.ending is Ending.RESULT and outcome.result is not None:
-                    results[j] = outcome.result
+                    results[j], reducers[str(j)] = outcome.result, host
                     continue
                 named = [h for h in contributors if f"host {h}'s shard" in (outcome.reason or "")]
                 if named:
@@ -348,7 +293,7 @@ class ShardedLoop:
                 for j in range(count)
             ]
 
-        return (objects("sync"), objects("state"), objects("velocity")), None
+        return (objects("sync"), objects("state"), objects("velocity"), reducers), None
 
     def _task(
         self, round_num: int, shard: int, outcomes: Mapping[str, Outcome], contributors: list[str]
@@ -369,25 +314,26 @@ class ShardedLoop:
             "shard": shard, "count": sharded.count, "base_hash": o.global_hash,
             "contributions": contributions, "velocity": velocity, "outer": o.outer.settings(),
             "sync_dtype": o.session.sync_delta_dtype,
-            **{
-                f"{kind}_url": o.store.url_put(sharded.name(round_num, kind, shard))
-                for kind in ("sync", "state", "velocity")
-            },
+            # the state and velocity: deferred to the reducer's apply (its ``store`` order)
+            "sync_url": o.store.url_put(sharded.name(round_num, "sync", shard)),
         }  # fmt: skip
 
     # ------------------------------------------------------------ the sync
 
     def sync(self, round_num: int, sync: list[dict[str, str]]) -> dict[str, str]:
         """Every active host to the round's model; the global hash is the one they agree on."""
-        o = self.o
-        shards, base_hash = o.sharded.sync_shards(o.store, sync), o.global_hash
+        o, base_hash = self.o, self.o.global_hash
         o.elastic.poll_joins(round_num, base_hash)
         pending = {
-            host: o.client.apply_delta(host, o.model_url(), delta_url=shards, base_hash=base_hash)
+            host: o.client.apply_delta(
+                host, o.model_url(), delta_url=o.sharded.sync_shards(o.store, sync, host), base_hash=base_hash
+            )
             for host in o.membership.active()
         }
         outcomes = o.waiter.wait(pending, Deadline(o.session.sync_timeout_s))
         via = self._agree(round_num, outcomes)
+        o.sharded.settle_store(round_num, outcomes, self._restore)
+        self.save()
         for host, outcome in outcomes.items():
             if host in via:
                 continue
@@ -441,6 +387,9 @@ class ShardedLoop:
         o, sharded = self.o, self.o.sharded
         if sharded.round <= o.round_done or not sharded.state:
             return
+        if sharded.pending is not None:  # whether its reducers' stores were done is not known
+            sharded.settle_store(sharded.round, {}, self._restore)
+            self.save()
         alive = o.membership.alive(sorted(o.membership.members))
         pending = {
             host: o.client.apply_delta(
@@ -458,4 +407,12 @@ class ShardedLoop:
                 sharded.round, dict(said.get("losses", {})), list(said.get("included", [])),
                 dict(said.get("excluded", {})), via, o.global_hash, 0.0, members=o.membership.active(),
             )
+        )  # fmt: skip
+
+    @property
+    def _restore(self) -> Restore:
+        o = self.o
+        return Restore(
+            o.store, o.scratch, o.layout, OuterRule(**o.outer.settings()),
+            getattr(torch, o.session.sync_delta_dtype), o.note,
         )  # fmt: skip

@@ -186,8 +186,8 @@ def reduce_shard(
     base_hash: str,
     contributions: list[dict[str, Any]],
     sync_url: str,
-    state_url: str,
-    velocity_url: str,
+    state_url: str | None = None,  # with velocity_url: PUT now; neither: deferred to the apply
+    velocity_url: str | None = None,
     velocity: dict[str, Any] | None = None,
     outer: dict[str, Any] | None = None,
     sync_dtype: str = "float16",

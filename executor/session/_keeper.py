@@ -31,7 +31,7 @@ from executor.session._loading import LoadPipeline
 from executor.session._manifest import read_manifest, write_manifest
 from executor.session._model import ModelFiles, ModelLimits
 from executor.session._overlap import Overlap, RoundEnd
-from executor.session._reducing import ReduceRequest, reduce_on_host
+from executor.session._reducing import DeferredStore, ReduceRequest, reduce_on_host
 from executor.session._requests import LoadRequest, QuantConfig, RoundRequest, SyncRequest
 from executor.session._shipping import ship_delta, ship_overlapped
 from executor.session._state import Session
@@ -218,12 +218,15 @@ class SessionKeeper:
         started = time.monotonic()
         placement.empty_device_cache()
         self.end_overlap()  # the model is the global one now: no round's own progress rides on it
-        session = self.current
+        session, stored = self.current, None
         if request.sharded is not None:  # a sharded round's N shards (docs/SHARDED.md)
-            synced = sync_sharded(
-                self.models, session.model if session else None, request.model_url, request.base_hash,
-                request.result_hash, request.sharded, self._stop, self._transfer,
-            )  # fmt: skip
+            orders = [(j, s.result_hash, s.store) for j, s in enumerate(request.sharded.shards) if s.store]
+            with DeferredStore(orders, self.work_dir, self._transfer, self._stop) as store:
+                synced = sync_sharded(
+                    self.models, session.model if session else None, request.model_url, request.base_hash,
+                    request.result_hash, request.sharded, self._stop, self._transfer,
+                )  # fmt: skip
+            stored = store.outcome if orders else None
         else:
             synced = self.models.sync(
                 session.model if session else None,
@@ -236,7 +239,12 @@ class SessionKeeper:
             session.update(synced.model, request.params, request.descriptors)
             write_manifest(session, self.work_dir)
         return ApplyOutcome(
-            synced.via, synced.model.model_hash, time.monotonic() - started, synced.reason, synced.noop
+            synced.via,
+            synced.model.model_hash,
+            time.monotonic() - started,
+            synced.reason,
+            synced.noop,
+            stored,
         )
 
     # ------------------------------------------------------------ overlapped rounds

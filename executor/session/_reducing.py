@@ -8,8 +8,12 @@ sync delta's dtype, and where the outcome goes. Each contributor's shard is down
 the shard's bound, its layout checked against the partition this host computes and its hash
 against the reported one, then summed in **sorted host order** one at a time; a bad one fails
 the reduce with ``bad_artifact`` naming its host (the orchestrator drops it from the round and
-redoes the reduce). The sync slices, the new state's slices and the velocity are each written
-as a delta file and PUT; the result reports their hashes.
+redoes the reduce). The sync slices are written as a delta file and PUT (every host waits for
+them); the new state's slices and the velocity are written and kept here, named by their hashes,
+and PUT beside this host's apply of the round's sync (:class:`DeferredStore`: nothing reads them
+before a later round, a join or a resume, so their upload need not hold the round up; the
+orchestrator restores what no apply confirms). A request that names ``state_url`` and
+``velocity_url`` has them PUT at once instead. The result reports the three hashes.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from executor import transfer
 from executor.delta import DeltaFile, write_delta, zstd_bound
-from executor.errors import BadArtifact, HashMismatch, InvalidRequest
+from executor.errors import BadArtifact, HashMismatch, InvalidRequest, error_info
 from executor.fileio import remove_quietly
 from executor.reduce import (
     MAX_SHARDS,
@@ -40,11 +44,10 @@ from executor.reduce import (
     read_slice,
     shard_bound,
 )
-from executor.session._requests import required_url
+from executor.session._requests import EXACT_HASH, StoreOrder, required_url
 from executor.tensorfile import read_header
 from executor.urls import Url
 
-HASH = re.compile(r"^(sha256|blake3):[0-9a-f]{64}$")
 HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_ALIGN = 1 << 24
 SYNC_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -70,8 +73,8 @@ class ReduceRequest:
     rule: OuterRule
     sync_dtype: torch.dtype
     sync_url: Url
-    state_url: Url
-    velocity_url: Url
+    state_url: Url | None  # None (with velocity_url): deferred to the apply's ``store`` order
+    velocity_url: Url | None
 
     @classmethod
     def parse(cls, args: Mapping[str, Any]) -> ReduceRequest:
@@ -91,10 +94,14 @@ class ReduceRequest:
         dtype = SYNC_DTYPES.get(str(args.get("sync_dtype", "float16")))
         if dtype is None:
             raise InvalidRequest(f"sync_dtype must be one of {sorted(SYNC_DTYPES)}")
+        state_url, velocity_url = args.get("state_url"), args.get("velocity_url")
+        if (state_url is None) != (velocity_url is None):
+            raise InvalidRequest("state_url and velocity_url are given together or not at all (deferred)")
         return cls(
             shard, count, align, base_hash, contributions, velocity, _rule(args.get("outer")), dtype,
-            required_url("sync_url", args.get("sync_url")), required_url("state_url", args.get("state_url")),
-            required_url("velocity_url", args.get("velocity_url")),
+            required_url("sync_url", args.get("sync_url")),
+            None if state_url is None else required_url("state_url", state_url),
+            None if velocity_url is None else required_url("velocity_url", velocity_url),
         )  # fmt: skip
 
 
@@ -105,7 +112,7 @@ def _integer(name: str, value: object, low: int, high: int) -> int:
 
 
 def _hash(name: str, value: object) -> str:
-    if not isinstance(value, str) or not HASH.match(value):
+    if not isinstance(value, str) or not EXACT_HASH.match(value):
         raise InvalidRequest(f"{name} must be a '<sha256|blake3>:<64 hex>' hash")
     return value
 
@@ -172,20 +179,23 @@ def reduce_on_host(
     if request.velocity is not None:
         velocity = _velocity(request.velocity, split, request.shard, scratch, transfer_config, abort)
     reduced = total.reduce(request.rule, theta, velocity, request.sync_dtype)
-    shipped = {
-        name: _ship(values, url, scratch, name, transfer_config, abort, shard)
-        for name, values, url, shard in (
-            ("sync", reduced.sync, request.sync_url, None),
-            ("state", reduced.result, request.state_url, None),
-            ("velocity", reduced.velocity, request.velocity_url, request.shard),
-        )
-    }
+    shipped = {"sync": _ship(reduced.sync, request.sync_url, scratch, transfer_config, abort)}
+    for kind, values, url in (
+        ("state", reduced.result, request.state_url),
+        ("velocity", reduced.velocity, request.velocity_url),
+    ):
+        shipped[kind], path = _keep(values, scratch, kind, request.shard)
+        if url is not None:  # not deferred: PUT now (the state is not kept then)
+            transfer.upload(path, url, config=transfer_config, abort=abort)
+            if kind == "state":
+                remove_quietly(path)
     return {
         "shard": request.shard,
         "count": request.count,
         "contributors": [c.host for c in request.contributions],
         **shipped,
         "result_hash": shipped["state"]["hash"],
+        "deferred": request.state_url is None,
         "seconds": round(time.monotonic() - started, 6),
     }
 
@@ -225,7 +235,7 @@ def _velocity(
     abort: threading.Event,
 ) -> dict[str, torch.Tensor]:
     url, expected = velocity
-    kept = _kept_velocity(scratch, shard, expected)
+    kept = _kept(scratch, "velocity", shard, expected)
     # this host reduced the shard last round: its own copy, checked as any
     path = (
         kept
@@ -245,33 +255,91 @@ def _velocity(
     return values
 
 
-def _kept_velocity(scratch: str, shard: int, velocity_hash: str) -> str:
-    """Where this host keeps the velocity it last made for ``shard`` (named by its hash): the
-    partition is fixed for the session, so while S is stable the shard's next reduce is here
-    and reads it instead of GETting it back (one of its objects less on the critical path)."""
-    return os.path.join(scratch, f"kept-velocity-{shard}-{velocity_hash.partition(':')[2]}.zst")
+def _kept(scratch: str, kind: str, shard: int, value_hash: str) -> str:
+    """Where this host keeps the ``kind`` (state, velocity) it last made for ``shard``, named by
+    its hash: the state until the apply's store order PUTs it; the velocity after, too (the
+    partition is fixed for the session, so while S is stable the shard's next reduce is here and
+    reads it instead of GETting it back: one of its objects less on the critical path)."""
+    if not EXACT_HASH.match(value_hash):  # a name in this dir: never a path from a message
+        raise InvalidRequest(f"not a hash: {value_hash[:80]!r}")
+    return os.path.join(scratch, f"kept-{kind}-{shard}-{value_hash.partition(':')[2]}.zst")
+
+
+def _keep(
+    values: Mapping[str, torch.Tensor], scratch: str, kind: str, shard: int
+) -> tuple[dict[str, Any], str]:
+    """``values`` written as the shard's kept ``kind`` (its earlier one removed): its hash and
+    size, and where it is."""
+    path = os.path.join(scratch, kind)
+    try:
+        written: DeltaFile = write_delta(values, path)
+        for old in os.listdir(scratch):
+            if old.startswith(f"kept-{kind}-{shard}-"):
+                remove_quietly(os.path.join(scratch, old))
+        kept = _kept(scratch, kind, shard, written.hash)
+        os.replace(path, kept)
+    finally:
+        remove_quietly(path)
+    return {"hash": written.hash, "bytes": written.bytes}, kept
 
 
 def _ship(
     values: Mapping[str, torch.Tensor],
     url: Url,
     scratch: str,
-    name: str,
     config: transfer.TransferConfig,
     abort: threading.Event,
-    shard: int | None = None,
 ) -> dict[str, Any]:
-    """``values`` written as a delta file and PUT; ``shard``: a velocity, kept afterwards (the
-    shard's earlier one removed)."""
-    path = os.path.join(scratch, name)
+    """The sync's slices written as a delta file and PUT."""
+    path = os.path.join(scratch, "sync")
     try:
-        written: DeltaFile = write_delta(values, path)
+        written = write_delta(values, path)
         transfer.upload(path, url, config=config, abort=abort)
-        if shard is not None:
-            for old in os.listdir(scratch):
-                if old.startswith(f"kept-velocity-{shard}-"):
-                    remove_quietly(os.path.join(scratch, old))
-            os.replace(path, _kept_velocity(scratch, shard, written.hash))
     finally:
         remove_quietly(path)
     return {"hash": written.hash, "bytes": written.bytes}
+
+
+class DeferredStore:
+    """The PUT of what this host's reduces kept for the store (the ``store`` orders of a sharded
+    apply), run on a thread beside the apply: the apply downloads, this uploads. Its outcome, one
+    entry a shard (``ok``, or why not), is the apply result's ``stored``; the orchestrator
+    restores any shard not confirmed (docs/SHARDED.md, "Deferred store")."""
+
+    def __init__(
+        self,
+        orders: list[tuple[int, str, StoreOrder]],
+        work_dir: str,
+        config: transfer.TransferConfig,
+        abort: threading.Event,
+    ) -> None:
+        self._orders, self._scratch = orders, os.path.join(work_dir, "reduce")
+        self._config, self._abort = config, abort
+        self.outcome: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._run, name="deferred-store", daemon=True)
+
+    def __enter__(self) -> DeferredStore:
+        if self._orders:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._orders:
+            self._thread.join()
+
+    def _run(self) -> None:
+        for shard, state_hash_, order in self._orders:
+            entry: dict[str, Any] = {"shard": shard, "ok": False}
+            try:
+                state = _kept(self._scratch, "state", shard, state_hash_)
+                velocity = _kept(self._scratch, "velocity", shard, order.velocity_hash)
+                if not (os.path.exists(state) and os.path.exists(velocity)):
+                    entry["reason"] = "this host does not hold the shard's state and velocity"
+                else:
+                    for path, url in ((state, order.state_url), (velocity, order.velocity_url)):
+                        transfer.upload(path, url, config=self._config, abort=self._abort)
+                    remove_quietly(state)  # the velocity stays: the shard's next reduce reads it
+                    entry["ok"] = True
+            except Exception as exc:  # reported, not raised: the apply itself holds
+                entry["reason"] = f"{error_info(exc).code}: {error_info(exc).message}"
+            self.outcome.append(entry)

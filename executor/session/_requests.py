@@ -8,6 +8,7 @@ and checks nothing again (httpx's one ``Request`` handed through its transports)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import CodeType
@@ -22,6 +23,8 @@ from executor.rounds import RoundSpec, validate_script
 from executor.session._overlap import OverlapSpec
 from executor.shards import ShardDescriptor, check_tenant
 from executor.urls import Url
+
+EXACT_HASH = re.compile(r"^(sha256|blake3):[0-9a-f]{64}$")
 
 DELTA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 QUANT_DTYPES = ("int8", "int4")
@@ -203,11 +206,41 @@ class RoundRequest:
 
 
 @dataclass(frozen=True)
+class StoreOrder:
+    """A reducer's deferred objects, PUT beside its apply (docs/SHARDED.md, "Deferred store"):
+    where its shard's new state (the file named by the shard's ``result_hash``) and velocity go."""
+
+    state_url: Url
+    velocity_url: Url
+    velocity_hash: str
+
+    @classmethod
+    def parse(cls, n: int, value: object, result_hash: str) -> StoreOrder:
+        """The two files are found by their hashes in the work dir: both must be exact hashes
+        (a name that is not one is refused here, before it can be a path)."""
+        if not isinstance(value, dict):
+            raise InvalidRequest(
+                f"sync shard {n} store must be an object: state_url, velocity_url, velocity_hash"
+            )
+        velocity_hash = value.get("velocity_hash")
+        if not isinstance(velocity_hash, str) or not EXACT_HASH.match(velocity_hash):
+            raise InvalidRequest(f"sync shard {n} store needs its velocity_hash ('<sha256|blake3>:<64 hex>')")
+        if not EXACT_HASH.match(result_hash):
+            raise InvalidRequest(f"sync shard {n} with a store order needs an exact result_hash")
+        return cls(
+            required_url(f"sync shard {n} store.state_url", value.get("state_url")),
+            required_url(f"sync shard {n} store.velocity_url", value.get("velocity_url")),
+            velocity_hash,
+        )
+
+
+@dataclass(frozen=True)
 class SyncShard:
     url: Url
     hash: str
     result_hash: str
     state_url: Url | None
+    store: StoreOrder | None = None  # this host reduced the shard: its deferred objects' PUT
 
 
 @dataclass(frozen=True)
@@ -228,11 +261,12 @@ class ShardedSync:
             hashes = [item.get("hash"), item.get("result_hash")]
             if not all(isinstance(h, str) and h.partition(":")[2] for h in hashes):
                 raise InvalidRequest(f"sync shard {n} needs its hash and result_hash")
-            state = item.get("state_url")
+            state, store = item.get("state_url"), item.get("store")
             shards.append(
                 SyncShard(
                     required_url(f"sync shard {n} url", item.get("url")), str(hashes[0]), str(hashes[1]),
                     required_url(f"sync shard {n} state_url", state) if state is not None else None,
+                    StoreOrder.parse(n, store, str(hashes[1])) if store is not None else None,
                 )
             )  # fmt: skip
         return cls(tuple(shards))

@@ -341,6 +341,59 @@ def test_a_sharded_session_through_the_orchestrator_is_the_star_sessions_model(
     assert fetched == []
     events = [e["event"] for e in sharded.story]
     assert events.count("sharded-sync") == 3 and "sharded-failed" not in events
+    # The reducers' state and velocity, deferred to their applies, are in the store as recorded,
+    # each confirmed by its reducer's apply (none restored by the orchestrator).
+    assert "shard-restored" not in events and sharded.sharded.pending is None
+    assert_stored(store, sharded, tmp_path)
+    sharded.close()
+
+
+def assert_stored(store: ArtifactServer, orchestrator: Orchestrator, tmp_path: Path) -> None:
+    state = orchestrator.sharded
+    for kind, objects in (("state", state.state), ("velocity", state.velocity)):
+        for j, item in enumerate(objects):
+            local = tmp_path / f"stored-{kind}-{j}"
+            store.fetch(item["name"], local)
+            assert state_hash(read_delta(str(local))) == item["hash"], (kind, j)
+
+
+def test_a_deferred_store_no_apply_confirms_is_restored_by_the_orchestrator(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Round 1's reducer of shard 1 is told, in its apply, a velocity it never made (what a
+    reducer lost between its reduce and its apply, or a failed PUT, leaves): its apply still
+    applies and reports the shard not stored, the orchestrator makes that shard's state and
+    velocity again from the store's objects and PUTs them, and the session goes on to the star
+    session's models, round after round."""
+    client, store = cluster
+    (tmp_path / "ref").mkdir()
+    star = orchestrated(client, store, tmp_path / "ref", "restore-ref", "star")
+    star_hashes = [s.model_hash for s in star.run(3)]
+    star.close()
+    sharded = orchestrated(client, store, tmp_path, "restore-run", "sharded")
+    send, said = client.apply_delta, []
+
+    def apply_delta(host: str, model_url: str, **arguments: Any) -> Any:
+        shards = arguments.get("delta_url")
+        if isinstance(shards, list) and sharded.next_round == 1 and "store" in shards[1]:
+            shards[1]["store"]["velocity_hash"] = "sha256:" + "0" * 64
+            task = send(host, model_url, **arguments)
+            said.append(task)
+            return task
+        return send(host, model_url, **arguments)
+
+    client.apply_delta = apply_delta  # type: ignore[method-assign]
+    try:
+        history = sharded.run(3)
+    finally:
+        client.apply_delta = send  # type: ignore[method-assign]
+    assert [s.model_hash for s in history] == star_hashes
+    assert len(said) == 1
+    stored = said[0].get(timeout=30)["stored"]
+    assert stored == [
+        {"shard": 1, "ok": False, "reason": "this host does not hold the shard's state and velocity"}
+    ]
+    restored = [e for e in sharded.story if e["event"] == "shard-restored"]
+    assert [(e["round"], e["shard"]) for e in restored] == [(1, 1)], restored
+    assert_stored(store, sharded, tmp_path)
     sharded.close()
 
 

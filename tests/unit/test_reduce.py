@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from executor.delta import QuantScheme, make_sync_delta, read_delta, write_delta, write_result_delta
-from executor.errors import BadArtifact
+from executor.errors import BadArtifact, InvalidRequest
 from executor.reduce import (
     OuterRule,
     align_for,
@@ -20,6 +20,7 @@ from executor.reduce import (
     reduce_shard,
     write_delta_shards,
 )
+from executor.session import SyncRequest
 from executor.tensorfile import read_header
 from orchestrator.outer import OuterOptimizer
 
@@ -193,3 +194,26 @@ def test_quantised_shards_with_error_feedback_are_the_whole_deltas_slices_round_
     left = ErrorFeedback(str(tmp_path / "sharded")).load()
     whole = ErrorFeedback(str(tmp_path / "whole")).load()
     assert set(left) == set(whole) and all(torch.equal(left[k], whole[k]) for k in whole)
+
+
+def test_a_store_order_names_its_files_only_by_exact_hashes() -> None:
+    """A sharded apply's ``store`` order names the files it PUTs by their hashes in the work
+    dir: anything but an exact hash (a path, a short or upper-case hex) is refused where the
+    request enters, for the velocity and for the shard's ``result_hash``."""
+    good = "sha256:" + "ab" * 32
+    shard = {"url": "http://store/s0", "hash": good, "result_hash": good}
+    order = {"state_url": "http://store/st", "velocity_url": "http://store/v", "velocity_hash": good}
+    parsed = SyncRequest.parse("http://store/model", delta_url=[{**shard, "store": order}, shard]).sharded
+    assert parsed is not None and parsed.shards[0].store is not None and parsed.shards[1].store is None
+    for bad in ("sha256:../../../etc/passwd", "sha256:" + "AB" * 32, "sha256:abc", "md5:" + "ab" * 32, 7):
+        with pytest.raises(InvalidRequest, match="velocity_hash"):
+            SyncRequest.parse(
+                "http://store/model", delta_url=[{**shard, "store": {**order, "velocity_hash": bad}}, shard]
+            )
+        if isinstance(bad, str):
+            with pytest.raises(InvalidRequest, match="result_hash"):
+                SyncRequest.parse(
+                    "http://store/model", delta_url=[{**shard, "result_hash": bad, "store": order}, shard]
+                )
+    with pytest.raises(InvalidRequest, match="store must be an object"):
+        SyncRequest.parse("http://store/model", delta_url=[{**shard, "store": "everything"}, shard])
