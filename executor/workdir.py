@@ -11,6 +11,8 @@
     deltas/round-N.safetensors.zst  a round's delta when no upload URL was given
     deltas/round-N.safetensors      an overlapped round's, plain until its upload frames it
     delta-residual.safetensors    error feedback of quantised deltas
+    reduce/                       a sharded round's scratch, and what it keeps for a later step
+                                  (kept-<delta|state|velocity>-<shard>-<hex>.zst, named by hash)
     results/<task id>.json        the tasks' recorded results (redelivery: tasks/rounds.py)
     sandbox/, sandbox-spare/      the sandboxed runner's and the spare's (inside: ro/, task/;
                                   executor.sandbox lays those out)
@@ -96,6 +98,15 @@ class SessionDir:
     @property
     def model_offload(self) -> str:
         return self._in("model-offload")
+
+    @property
+    def reduce(self) -> str:
+        return self._in("reduce")
+
+    def kept(self, kind: str, shard: int, digest: str) -> str:
+        """A sharded round's file kept for a later step (``kind``: delta, state, velocity), named
+        by its hash's hex digest (the caller checks that it is one: never a path)."""
+        return os.path.join(self.reduce, f"kept-{kind}-{shard}-{digest}.zst")
 
     def round_delta(self, round_num: int, *, compressed: bool = True) -> str:
         return os.path.join(self.deltas, f"round-{round_num}.safetensors" + (".zst" if compressed else ""))

@@ -45,8 +45,10 @@ from executor.reduce import (
     shard_bound,
 )
 from executor.session._requests import EXACT_HASH, StoreOrder, required_url
+from executor.session._shipping import keep_file, kept_path
 from executor.tensorfile import read_header
 from executor.urls import Url
+from executor.workdir import SessionDir
 
 HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_ALIGN = 1 << 24
@@ -170,21 +172,22 @@ def reduce_on_host(
         split = model_partition(header.specs, request.count, request.align)
         pieces = split.shard(request.shard)
         theta = {p.key: read_slice(model, header, header.specs[p.key], p) for p in pieces}
-    scratch = os.path.join(work_dir, "reduce")
+    dirs = SessionDir(work_dir)
+    scratch = dirs.reduce
     os.makedirs(scratch, exist_ok=True)
     total = ShardSum()
     for contribution in request.contributions:  # sorted by host: the sum's order
-        total.add(_contribution(contribution, split, request.shard, scratch, transfer_config, abort))
+        total.add(_contribution(contribution, split, request.shard, dirs, transfer_config, abort))
     velocity = None
     if request.velocity is not None:
-        velocity = _velocity(request.velocity, split, request.shard, scratch, transfer_config, abort)
+        velocity = _velocity(request.velocity, split, request.shard, dirs, transfer_config, abort)
     reduced = total.reduce(request.rule, theta, velocity, request.sync_dtype)
     shipped = {"sync": _ship(reduced.sync, request.sync_url, scratch, transfer_config, abort)}
     for kind, values, url in (
         ("state", reduced.result, request.state_url),
         ("velocity", reduced.velocity, request.velocity_url),
     ):
-        shipped[kind], path = _keep(values, scratch, kind, request.shard)
+        shipped[kind], path = _keep(values, dirs, kind, request.shard)
         if url is not None:  # not deferred: PUT now (the state is not kept then)
             transfer.upload(path, url, config=transfer_config, abort=abort)
             if kind == "state":
@@ -212,35 +215,42 @@ def _contribution(
     contribution: Contribution,
     split: Partition,
     shard: int,
-    scratch: str,
+    dirs: SessionDir,
     config: transfer.TransferConfig,
     abort: threading.Event,
 ) -> dict[str, torch.Tensor]:
     host = contribution.host
-    path = _download(contribution.url, shard_bound(split, shard), scratch, "contribution", config, abort)
+    # this host's own shard, kept since its round shipped it: read here, checked as any
+    path = kept_path(dirs, "delta", shard, contribution.hash)
+    own = os.path.exists(path)
+    if not own:
+        path = _download(
+            contribution.url, shard_bound(split, shard), dirs.reduce, "contribution", config, abort
+        )
     try:
         return read_delta_shard(path, split, shard, contribution.hash)
     except (BadArtifact, HashMismatch) as exc:  # its host leaves the round: named, as bad_artifact
         raise BadArtifact(f"host {host}'s shard: {exc.message}", {"host": host}) from None
     finally:
-        remove_quietly(path)
+        if not own:
+            remove_quietly(path)
 
 
 def _velocity(
     velocity: tuple[Url, str],
     split: Partition,
     shard: int,
-    scratch: str,
+    dirs: SessionDir,
     config: transfer.TransferConfig,
     abort: threading.Event,
 ) -> dict[str, torch.Tensor]:
     url, expected = velocity
-    kept = _kept(scratch, "velocity", shard, expected)
+    kept = kept_path(dirs, "velocity", shard, expected)
     # this host reduced the shard last round: its own copy, checked as any
     path = (
         kept
         if os.path.exists(kept)
-        else _download(url, shard_bound(split, shard), scratch, "velocity", config, abort)
+        else _download(url, shard_bound(split, shard), dirs.reduce, "velocity", config, abort)
     )
     try:
         values = read_delta_shard(path, split, shard, expected)
@@ -255,29 +265,14 @@ def _velocity(
     return values
 
 
-def _kept(scratch: str, kind: str, shard: int, value_hash: str) -> str:
-    """Where this host keeps the ``kind`` (state, velocity) it last made for ``shard``, named by
-    its hash: the state until the apply's store order PUTs it; the velocity after, too (the
-    partition is fixed for the session, so while S is stable the shard's next reduce is here and
-    reads it instead of GETting it back: one of its objects less on the critical path)."""
-    if not EXACT_HASH.match(value_hash):  # a name in this dir: never a path from a message
-        raise InvalidRequest(f"not a hash: {value_hash[:80]!r}")
-    return os.path.join(scratch, f"kept-{kind}-{shard}-{value_hash.partition(':')[2]}.zst")
-
-
 def _keep(
-    values: Mapping[str, torch.Tensor], scratch: str, kind: str, shard: int
+    values: Mapping[str, torch.Tensor], dirs: SessionDir, kind: str, shard: int
 ) -> tuple[dict[str, Any], str]:
-    """``values`` written as the shard's kept ``kind`` (its earlier one removed): its hash and
-    size, and where it is."""
-    path = os.path.join(scratch, kind)
+    """``values`` written as the shard's kept ``kind``: its hash and size, and where it is."""
+    path = os.path.join(dirs.reduce, kind)
     try:
         written: DeltaFile = write_delta(values, path)
-        for old in os.listdir(scratch):
-            if old.startswith(f"kept-{kind}-{shard}-"):
-                remove_quietly(os.path.join(scratch, old))
-        kept = _kept(scratch, kind, shard, written.hash)
-        os.replace(path, kept)
+        kept = keep_file(path, dirs, kind, shard, written.hash)
     finally:
         remove_quietly(path)
     return {"hash": written.hash, "bytes": written.bytes}, kept
@@ -313,7 +308,7 @@ class DeferredStore:
         config: transfer.TransferConfig,
         abort: threading.Event,
     ) -> None:
-        self._orders, self._scratch = orders, os.path.join(work_dir, "reduce")
+        self._orders, self._dirs = orders, SessionDir(work_dir)
         self._config, self._abort = config, abort
         self.outcome: list[dict[str, Any]] = []
         self._thread = threading.Thread(target=self._run, name="deferred-store", daemon=True)
@@ -331,8 +326,8 @@ class DeferredStore:
         for shard, state_hash_, order in self._orders:
             entry: dict[str, Any] = {"shard": shard, "ok": False}
             try:
-                state = _kept(self._scratch, "state", shard, state_hash_)
-                velocity = _kept(self._scratch, "velocity", shard, order.velocity_hash)
+                state = kept_path(self._dirs, "state", shard, state_hash_)
+                velocity = kept_path(self._dirs, "velocity", shard, order.velocity_hash)
                 if not (os.path.exists(state) and os.path.exists(velocity)):
                     entry["reason"] = "this host does not hold the shard's state and velocity"
                 else:

@@ -8,6 +8,10 @@ this delta is delivered, so a failed upload leaves it as it was.
 
 An overlapped round's (:func:`ship_overlapped`) is written after its sync came, in one pass
 with the working copy the next round starts from, and uploaded beside the next round.
+
+A sharded round's N shard files are kept once delivered (:func:`keep_file`, named by hash in
+the work dir's ``reduce/``): the shard this host then reduces reads its own contribution there
+instead of GETting it back; ``_reducing`` keeps its state and velocity the same way.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ from executor.delta import (
     trained_keys,
     write_result_delta,
 )
-from executor.errors import map_exceptions
+from executor.errors import InvalidRequest, map_exceptions
 from executor.fileio import remove_quietly
 from executor.reduce import model_partition, write_delta_shards
 from executor.results import DeltaInfo
 from executor.session._overlap import KeptDelta, Overlap
-from executor.session._requests import RoundRequest
+from executor.session._requests import EXACT_HASH, RoundRequest
 from executor.session._state import Session
 from executor.tensorfile import dtype_name, read_header
 from executor.workdir import SessionDir
@@ -124,6 +128,9 @@ def ship_shards(
             wrote = time.monotonic()
             for path, url in zip(paths, urls, strict=True):
                 transfer.upload(path, url, config=transfer_config, abort=abort)
+            os.makedirs(dirs.reduce, exist_ok=True)
+            for n, (path, w) in enumerate(zip(paths, written, strict=True)):
+                keep_file(path, dirs, "delta", n, w.hash)  # its reduce reads its own shard here
         finally:
             for path in paths:
                 remove_quietly(path)
@@ -181,3 +188,24 @@ def ship_overlapped(
         write_s=time.monotonic() - started, url=str(url) if url is not None else None,
         deferred=url is not None,
     )  # fmt: skip
+
+
+def kept_path(dirs: SessionDir, kind: str, shard: int, value_hash: str) -> str:
+    """Where this host keeps the ``kind`` it last made for ``shard``, named by its hash: its own
+    delta shards (from its round's shipping: its contribution to the shard it reduces is read,
+    not GOT back), the state until the apply's store order PUTs it, the velocity after that too
+    (the partition is fixed for the session, so while S is stable the shard's next reduce is
+    here and reads it instead of GETting it back: one object less on the critical path)."""
+    if not EXACT_HASH.match(value_hash):  # a name in this dir: never a path from a message
+        raise InvalidRequest(f"not a hash: {value_hash[:80]!r}")
+    return dirs.kept(kind, shard, value_hash.partition(":")[2])
+
+
+def keep_file(path: str, dirs: SessionDir, kind: str, shard: int, value_hash: str) -> str:
+    """``path`` moved to where ``kind`` of ``shard`` is kept (the shard's earlier one removed)."""
+    for old in os.listdir(dirs.reduce):
+        if old.startswith(f"kept-{kind}-{shard}-"):
+            remove_quietly(os.path.join(dirs.reduce, old))
+    kept = kept_path(dirs, kind, shard, value_hash)
+    os.replace(path, kept)
+    return kept

@@ -330,11 +330,17 @@ def test_a_sharded_session_through_the_orchestrator_is_the_star_sessions_model(
     fetched: list[str] = []
     real_fetch = store.fetch
     store.fetch = lambda name, dest: (fetched.append(name), real_fetch(name, dest))[1]  # type: ignore[method-assign]
+    before = len(store.requests)
     try:
         history = sharded.run(3)
     finally:
         store.fetch = real_fetch  # type: ignore[method-assign]
     assert [s.model_hash for s in history] == star_hashes
+    # Each reducer (sh-a shard 0, sh-b shard 1) reads its own contribution where its round kept
+    # it: never GOT; the other host's shard is.
+    gets = [path for method, path in store.requests[before:] if method == "GET" and "/delta/" in path]
+    assert not [p for p in gets if "/delta/sh-a/0." in p or "/delta/sh-b/1." in p], gets
+    assert len([p for p in gets if "/delta/sh-b/0." in p]) == 3, gets
     assert all(s.included == HOSTS and not s.excluded and not s.kept for s in history), history
     assert all(s.via == dict.fromkeys(HOSTS, "delta") for s in history), [s.via for s in history]
     assert {st["model_hash"] for st in sharded.statuses().values()} == {sharded.global_hash}
@@ -398,8 +404,9 @@ def test_a_deferred_store_no_apply_confirms_is_restored_by_the_orchestrator(clus
 
 
 class CorruptShard:
-    """The cluster's store, but one host's shard 1 of round 1 is replaced by another file
-    before any reducer GETs it: what a reducer downloads no longer matches its host's hash."""
+    """The cluster's store, but one host's shard 0 of round 1 (reduced by the other host: a
+    reducer reads its own shard where it kept it) is replaced by another file before its
+    reducer GETs it: what it downloads no longer matches its host's hash."""
 
     def __init__(self, store: ArtifactServer, host: str, tmp_path: Path) -> None:
         self._store, self._host, self._path = store, host, tmp_path / "junk"
@@ -409,7 +416,7 @@ class CorruptShard:
         return getattr(self._store, name)
 
     def url_get(self, name: str, expires_s: float = 6 * 3600) -> str:
-        if f"round-1/delta/{self._host}/1." in name:
+        if f"round-1/delta/{self._host}/0." in name:
             self._store.publish(name, self._path)
         return self._store.url_get(name, expires_s)
 
