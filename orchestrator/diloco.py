@@ -430,7 +430,7 @@ def pick_hosts(client: RoundClient, count: int, *, wait_s: float = 60.0) -> list
     """``count`` idle live workers from the heartbeat registry (waiting for them to appear)."""
     deadline = time.monotonic() + wait_s
     while True:
-        idle = [beat["host_id"] for beat in client.hosts(idle_only=True)]
+        idle = [beat["host_id"] for beat in client.hosts(idle_only=True, brief=True)]
         if len(idle) >= count or time.monotonic() > deadline:
             if len(idle) < count:
                 raise RuntimeError(f"wanted {count} idle workers, found {len(idle)}: {idle}")

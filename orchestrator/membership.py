@@ -23,7 +23,6 @@ it is to produce, and the orchestrator decides at each boundary and sync who is 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ from typing import Any
 from celery.result import AsyncResult
 
 from tasks.client import RoundClient
-from tasks.names import heartbeat_key
 
 MAX_FAILURES = 3
 
@@ -111,18 +109,12 @@ class Membership:
 
     def beats(self) -> dict[str, dict[str, Any]]:
         """Every live worker's heartbeat, by host."""
-        return {str(beat.get("host_id")): beat for beat in self.client.hosts()}
+        return {str(beat.get("host_id")): beat for beat in self.client.hosts(brief=True)}
 
     def alive(self, hosts: Iterable[str]) -> dict[str, dict[str, Any] | None]:
-        """The heartbeat of each of ``hosts`` (None: expired), in one round trip."""
-        names = list(hosts)
-        if not names:
-            return {}
-        raw = self.client.redis.mget([heartbeat_key(host) for host in names])
-        return {
-            host: (None if value is None else json.loads(value))
-            for host, value in zip(names, raw, strict=True)
-        }
+        """The heartbeat of each of ``hosts`` (None: expired, or not a beat of that host), in one
+        round trip."""
+        return self.client.beats(list(hosts))
 
     # ------------------------------------------------------------ states
 

@@ -179,7 +179,9 @@ def wait_for_hosts(
     deadline = time.monotonic() + wait_s
     while True:
         usable = sorted(
-            str(b["host_id"]) for b in client.hosts(idle_only=True) if usable_host(b, names, tenant)
+            str(b["host_id"])
+            for b in client.hosts(idle_only=True, brief=True)
+            if usable_host(b, names, tenant)
         )
         if len(usable) >= want or time.monotonic() > deadline:
             return usable[:want], want, names

@@ -8,12 +8,13 @@ and then followed live, without gaps or repeats.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import redis
 from celery import Celery
 from celery.result import AsyncResult
@@ -24,7 +25,9 @@ from tasks.control import send_stop
 from tasks.events import Event
 from tasks.names import (
     APPLY_DELTA,
+    HEARTBEAT_INDEX,
     HEARTBEAT_PATTERN,
+    HOST_ID,
     LOAD_MODEL,
     REDUCE_SHARD,
     RESET,
@@ -57,6 +60,11 @@ def redacted(value: Any) -> Any:
     return value
 
 
+# How far behind the reader's clock a worker's may run and its beats still be listed: the index's
+# scores are the workers' clocks; the beat's own key (its TTL kept by Redis) says who is alive.
+INDEX_SLACK_S = 300.0
+
+
 class RoundClient:
     def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
         self.settings = settings or get_settings()
@@ -73,30 +81,67 @@ class RoundClient:
 
     # ------------------------------------------------------------ hosts
 
-    def hosts(self, *, idle_only: bool = False) -> list[dict[str, Any]]:
-        """Live workers (those whose heartbeat has not expired), optionally only idle ones.
+    def hosts(self, *, idle_only: bool = False, brief: bool = False) -> list[dict[str, Any]]:
+        """Live workers (those whose heartbeat has not expired), optionally only idle ones;
+        ``brief``: each beat's brief (``tasks.names.BRIEF_FIELDS``: what choosing hosts reads,
+        a tenth of the bytes to fetch and parse at fleet size).
 
-        A beat speaks for the host its key names, and only that one (an ACL lets a worker
-        write its own key alone): one whose JSON claims another ``host_id`` is skipped."""
-        found = []
-        prefix = heartbeat_key("")
-        for key in self.redis.scan_iter(match=HEARTBEAT_PATTERN, count=100):
-            name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
-            beat = self.heartbeat(name[len(prefix) :])
-            if beat is None or (idle_only and beat.get("state") == "running"):
-                continue
-            found.append(beat)
+        Two round trips whatever the fleet and the keyspace: the fleet's index of beats and one
+        ``MGET`` of the beats it names (a third, where this user may, removes the entries whose
+        host has no beat of its own). The index only says whom to read: a beat speaks for the host its key
+        names, and only that one (an ACL lets a worker write its own key alone); one whose JSON
+        claims another ``host_id`` is skipped, as is an entry with no beat under its key. Its
+        scores (a beat's expiry by its worker's clock) only bound what is read: entries older
+        than ``INDEX_SLACK_S`` are pruned, so a worker whose clock runs behind by less is
+        listed. A fleet whose workers write no index yet (an older release) is listed by
+        ``SCAN`` instead."""
+        floor = time.time() - INDEX_SLACK_S
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(HEARTBEAT_INDEX, "-inf", f"({floor}")
+        pipe.zrangebyscore(HEARTBEAT_INDEX, floor, "+inf")
+        pipe.exists(HEARTBEAT_INDEX)
+        _pruned, members, indexed = pipe.execute(raise_on_error=False)  # pruning needs write access
+        for answer in (members, indexed):
+            if isinstance(answer, Exception):
+                raise answer
+        junk: list[Any] = []  # entries no host id spells: removed, never read
+        if indexed:
+            names = [name for name in map(_text, members) if HOST_ID.match(name)]
+            junk = [member for member in members if not HOST_ID.match(_text(member))]
+        else:
+            prefix = heartbeat_key("")
+            scanned = (
+                _text(key)[len(prefix) :] for key in self.redis.scan_iter(match=HEARTBEAT_PATTERN, count=1000)
+            )
+            names = [name for name in scanned if HOST_ID.match(name)]  # not the briefs' keys
+        beats = self.beats(names, brief=brief)
+        found = [
+            b for b in beats.values() if b is not None and not (idle_only and b.get("state") == "running")
+        ]
+        gone = [*junk, *(name for name, beat in beats.items() if beat is None)]
+        if indexed and gone:  # a worker that beats meanwhile is back with its next beat
+            with contextlib.suppress(redis.exceptions.NoPermissionError):
+                self.redis.zrem(HEARTBEAT_INDEX, *gone)
         return sorted(found, key=lambda beat: str(beat.get("host_id")))
 
     def heartbeat(self, host: str) -> dict[str, Any] | None:
         """``host``'s last beat; None when it has none, or when what is under its key is not a
         beat of ``host`` (not JSON, or naming another host: logged)."""
-        raw = self.redis.get(heartbeat_key(host))
+        return self._beat_of(host, self.redis.get(heartbeat_key(host)))
+
+    def beats(self, hosts: list[str], *, brief: bool = False) -> dict[str, dict[str, Any] | None]:
+        """Each of ``hosts``' last beat (None as :meth:`heartbeat` says), or its brief, in one
+        round trip."""
+        raw = self.redis.mget([heartbeat_key(host, brief=brief) for host in hosts]) if hosts else []
+        return {host: self._beat_of(host, value) for host, value in zip(hosts, raw, strict=True)}
+
+    @staticmethod
+    def _beat_of(host: str, raw: Any) -> dict[str, Any] | None:
         if raw is None:
             return None
         try:
-            beat = json.loads(raw)
-        except ValueError:
+            beat = orjson.loads(raw)  # 6 x json's speed: a fleet's listing parses 10,000 of them
+        except (ValueError, TypeError):
             beat = None
         if not isinstance(beat, dict) or beat.get("host_id") != host:
             claimed = beat.get("host_id") if isinstance(beat, dict) else None
@@ -281,3 +326,7 @@ class RoundClient:
             event = Event.from_json(fields[b"msg"])  # type: ignore[index]
             if event.seq is not None and event.seq > after:
                 yield event
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

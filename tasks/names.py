@@ -8,7 +8,10 @@ the tests all take them from here.
   ``.reset``, ``.status``; ``.reduce_shard`` (a sharded round's reduction, docs/SHARDED.md)
 - queue of one worker (§1): ``roundhouse.<host_id>`` (:func:`queue_name`, defined in
   ``settings`` because ``Settings.queue`` needs it too)
-- heartbeat (§5): key ``roundhouse:hosts:<host_id>``, JSON, short TTL
+- heartbeat (§5): key ``roundhouse:hosts:<host_id>``, JSON, short TTL, and its brief
+  ``roundhouse:hosts:<host_id>:brief`` (what a listing reads); and the fleet's index
+  of beats ``roundhouse:beats`` (sorted set: host id, scored by when its beat expires), what
+  :meth:`~tasks.client.RoundClient.hosts` lists from in two round trips whatever the keyspace
 - events (§5): channel ``roundhouse:events:<host_id>``, capped stream
   ``roundhouse:events:<host_id>:log``, seq counter ``roundhouse:events:<host_id>:seq``,
   one last-sent marker per publisher, ``roundhouse:events:<host_id>:last:<publisher>``, and
@@ -30,13 +33,18 @@ the tests all take them from here.
 
 from __future__ import annotations
 
+import re
+
 from settings import queue_name
 from settings.celery import unacked_keys
 
 __all__ = [
     "APPLY_DELTA",
+    "BRIEF_FIELDS",
     "ENVELOPE_KEY",
+    "HEARTBEAT_INDEX",
     "HEARTBEAT_PATTERN",
+    "HOST_ID",
     "LOAD_MODEL",
     "REDUCE_SHARD",
     "RESET",
@@ -68,12 +76,21 @@ TASK_NAMES = (LOAD_MODEL, RUN_ROUND, APPLY_DELTA, REDUCE_SHARD, RESET, STATUS)
 ENVELOPE_KEY = "roundhouse_envelope"
 
 
-def heartbeat_key(host_id: str) -> str:
-    return f"roundhouse:hosts:{host_id}"
+def heartbeat_key(host_id: str, *, brief: bool = False) -> str:
+    """A worker's beat; ``brief``: the few fields a fleet's listing reads (host id, state,
+    tenant, model hash, queue, time), written beside it with each beat."""
+    return f"roundhouse:hosts:{host_id}" + (":brief" if brief else "")
 
 
-# What SCAN matches to list every live worker.
+# What SCAN matches to list every live worker (the listing of a fleet with no index yet).
 HEARTBEAT_PATTERN = heartbeat_key("*")
+# Every worker's host id, scored by when its last beat expires (epoch seconds): who to MGET.
+HEARTBEAT_INDEX = "roundhouse:beats"
+# What a beat's brief holds: what choosing hosts reads (a tenth of a whole beat's bytes).
+BRIEF_FIELDS = ("host_id", "state", "tenant", "model_hash", "task_id", "queue", "ts")
+# A host id a name may be built from (an ACL's key pattern, an index entry): no glob
+# characters, no separators, bounded.
+HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
 def channel_name(host_id: str) -> str:

@@ -31,7 +31,7 @@ from settings import Settings, get_settings
 from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
 from tasks.metrics import WorkerMetrics
-from tasks.names import heartbeat_key
+from tasks.names import BRIEF_FIELDS, HEARTBEAT_INDEX, heartbeat_key
 from tasks.overlap import SyncInbox, SyncOrder
 from tasks.trust.signing import Refused, Verifier, load_security, open_stop_token, open_sync_token
 
@@ -245,11 +245,15 @@ class ChildRuntime:
         try:
             beat = self.status()
             beat["ts"] = time.time()
-            self._redis.set(
-                heartbeat_key(self.host_id),
-                json.dumps(beat),
-                ex=max(1, int(self.settings.heartbeat_ttl_s)),
-            )
+            ttl = max(1, int(self.settings.heartbeat_ttl_s))
+            # One round trip: the beat under its own key (the authority: an ACL lets a worker
+            # write only its own) and its entry in the fleet's index (who to read).
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(heartbeat_key(self.host_id), json.dumps(beat), ex=ttl)
+            brief = {k: beat.get(k) for k in BRIEF_FIELDS}
+            pipe.set(heartbeat_key(self.host_id, brief=True), json.dumps(brief), ex=ttl)
+            pipe.zadd(HEARTBEAT_INDEX, {self.host_id: beat["ts"] + ttl})
+            pipe.execute()
         except Exception as exc:  # a heartbeat must never take the child down
             logger.debug("heartbeat failed: %s", exc)
 

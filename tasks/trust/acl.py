@@ -30,11 +30,19 @@ import secrets
 import sys
 
 from settings.celery import unacked_keys
-from tasks.names import channel_name, control_channel, heartbeat_key, nonce_key, queue_name, stop_key
+from tasks.names import (
+    HEARTBEAT_INDEX,
+    HOST_ID,
+    channel_name,
+    control_channel,
+    heartbeat_key,
+    nonce_key,
+    queue_name,
+    stop_key,
+)
 
 __all__ = ["acl_file", "orchestrator_rules", "worker_rules"]
 
-HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")  # no glob characters, no spaces
 
 # What every client library sends to connect and keep its connection: redis-py's HELLO,
 # CLIENT SETNAME, health-check PINGs (its CLIENT SETINFO, Redis 7.2+, may fail: it is ignored);
@@ -55,6 +63,7 @@ ORCHESTRATOR_COMMANDS = (
     "+lpush +llen +exists +brpop +pexpire "  # send tasks, and its reply queues
     "+hset +hget +hdel +zadd +zrem +zrange +zrangebyscore +zrevrangebyscore "  # kombu's bookkeeping
     "+set +get +mget +setex +del +scan +xrange +xrevrange "  # results, heartbeats, stops, events
+    "+zremrangebyscore "  # the index of beats, pruned
     "+sadd +srem +smembers "
     "+publish +subscribe +unsubscribe +psubscribe +punsubscribe"
 )
@@ -84,6 +93,7 @@ def worker_rules(host_id: str, *, db: int = 0) -> list[str]:
         f"%W~{REPLY_QUEUE}",  # answers to inspect/ping: not the binding table ("*" would be)
         "~celery-task-meta-*",
         f"~{heartbeat_key(host_id)}",
+        f"~{heartbeat_key(host_id, brief=True)}",
         f"~{channel_name(host_id)}:*",
         f"%R~{stop_key(host_id, '*')}",
         f"~{nonce_key(host_id, '*')}",
@@ -97,7 +107,10 @@ def worker_rules(host_id: str, *, db: int = 0) -> list[str]:
     ]
     # kombu's sweep of expired binding tables may delete the reply exchange's: that alone.
     sweep = f"(~{REPLY_BINDING} +del)"
-    return [CONNECTION, WORKER_COMMANDS, *keys, *channels, sweep]
+    # Its entry in the fleet's index of beats: ZADD only (no ZREM, no DEL of the index). An entry
+    # it writes for another host is listed only if that host's own key holds its beat.
+    index = f"(~{HEARTBEAT_INDEX} +zadd)"
+    return [CONNECTION, WORKER_COMMANDS, *keys, *channels, sweep, index]
 
 
 def orchestrator_rules(*, db: int = 0) -> list[str]:
@@ -108,6 +121,7 @@ def orchestrator_rules(*, db: int = 0) -> list[str]:
         *(f"~{key}" for key in unacked_keys("*").values()),
         "~celery-task-meta-*",
         f"%R~{heartbeat_key('*')}",
+        f"~{HEARTBEAT_INDEX}",  # read, and pruned of expired entries as it is listed
         f"%R~{channel_name('*')}:*",
         f"~{stop_key('*', '*')}",
     ]  # fmt: skip

@@ -28,7 +28,7 @@ import redis
 from orchestrator.local import LocalWorker
 from settings import Settings
 from tasks.client import RoundClient
-from tasks.names import heartbeat_key, nonce_key
+from tasks.names import HEARTBEAT_INDEX, heartbeat_key, nonce_key
 from tasks.trust.acl import worker_rules
 from tasks.trust.replay import LEDGER_NAME, ledger_dir
 from tasks.trust.signing import SEP
@@ -229,13 +229,29 @@ def test_a_heartbeat_speaks_only_for_the_host_its_key_names(secure_redis, client
     with pytest.raises(redis.exceptions.NoPermissionError):
         own.set(heartbeat_key("hb2"), json.dumps({"host_id": "hb2", "state": "idle"}))
     own.set(heartbeat_key("hb3"), json.dumps({"host_id": "hb2", "state": "idle"}), ex=30)
+    # The fleet's index of beats: a worker may add entries, for any name, and do nothing else.
+    own.zadd(HEARTBEAT_INDEX, {"hb3": time.time() + 30, "hb2": time.time() + 30, "no*such host": 1e12})
+    for command in (
+        ("ZREM", HEARTBEAT_INDEX, "hb1"),
+        ("DEL", HEARTBEAT_INDEX),
+        ("ZRANGE", HEARTBEAT_INDEX, 0, -1),
+    ):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            own.execute_command(*command)
     try:
         assert all(beat["host_id"] != "hb2" for beat in client.hosts()), client.hosts()
         assert all(beat["host_id"] != "hb2" for beat in client.hosts(idle_only=True))
         assert client.heartbeat("hb3") is None
         own.set(heartbeat_key("hb3"), "not json", ex=30)
         assert client.heartbeat("hb3") is None and "hb3" not in {b["host_id"] for b in client.hosts()}
+        # Its entry went with its lying beats (a listing drops an entry whose key holds no beat of
+        # its host); its next beat, as a worker writes one, puts it back.
         own.set(heartbeat_key("hb3"), json.dumps({"host_id": "hb3", "state": "idle"}), ex=30)
+        own.zadd(HEARTBEAT_INDEX, {"hb3": time.time() + 30})
         assert "hb3" in [beat["host_id"] for beat in client.hosts(idle_only=True)]
+        # The entries with no beat behind them (hb2's, the name no host spells) were listed as
+        # nothing and are gone from the index: a flood of them costs one listing.
+        index = set(secure_redis.client("admin").zrange(HEARTBEAT_INDEX, 0, -1))
+        assert b"hb2" not in index and b"no*such host" not in index and b"hb3" in index, index
     finally:
         own.delete(heartbeat_key("hb3"))
