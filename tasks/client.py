@@ -25,6 +25,7 @@ from tasks.control import send_stop
 from tasks.events import Event
 from tasks.names import (
     APPLY_DELTA,
+    BRIEF_FIELDS,
     HEARTBEAT_INDEX,
     HEARTBEAT_PATTERN,
     HOST_ID,
@@ -114,7 +115,10 @@ class RoundClient:
                 _text(key)[len(prefix) :] for key in self.redis.scan_iter(match=HEARTBEAT_PATTERN, count=1000)
             )
             names = [name for name in scanned if HOST_ID.match(name)]  # not the briefs' keys
-        beats = self.beats(names, brief=brief)
+        # An older fleet (no index) writes no briefs either: its whole beats, cut to the brief.
+        beats = self.beats(names, brief=brief and bool(indexed))
+        if brief and not indexed:
+            beats = {n: b and {k: b.get(k) for k in BRIEF_FIELDS} for n, b in beats.items()}
         found = [
             b for b in beats.values() if b is not None and not (idle_only and b.get("state") == "running")
         ]

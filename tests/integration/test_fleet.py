@@ -109,8 +109,12 @@ def test_an_entry_without_its_hosts_beat_is_not_listed_and_leaves_the_index(flee
 def test_a_fleet_that_writes_no_index_is_listed_by_scan(fleet) -> None:  # type: ignore[no-untyped-def]
     admin, client = fleet
     beat(admin, ["old-0", "old-1"], index=False)
+    for host in ("old-0", "old-1"):  # nor briefs
+        admin.delete(heartbeat_key(host, brief=True))
     listed, cost = counted(admin, client)
     assert listed == ["old-0", "old-1"] and cost.get("scan", 0) >= 1, cost
+    briefs = client.hosts(brief=True)
+    assert [b["host_id"] for b in briefs] == ["old-0", "old-1"] and set(briefs[0]) == set(BRIEF_FIELDS)
 
 
 def test_a_brief_listing_reads_the_briefs_and_is_as_strict(fleet) -> None:  # type: ignore[no-untyped-def]
