@@ -12,8 +12,13 @@ else). Side by side, ``--runs`` times each, medians:
 - ``scan``: the listing it replaced, ``SCAN roundhouse:hosts:*`` and one ``GET`` per key (the
   code of the last release, kept here to measure against).
 
+With ``--worker`` (the default), one **real** worker (``celery worker``, prefork, ``-c 1``,
+unsandboxed, unsigned on loopback) is started against the same Redis and left idle; its Redis
+connections are counted from ``CLIENT LIST`` (every client but the bench's own, named), each
+with the last command it ran (what it is for).
+
 Not built yet of the issue's bench: dispatch latency across 1,000 queues, Redis memory per
-worker, connections per real worker, Flower's cost. Writes ``bench/results/fleet.json``.
+worker, connections while a round runs, Flower's cost. Writes ``bench/results/fleet.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from tasks.names import BRIEF_FIELDS, HEARTBEAT_INDEX, HEARTBEAT_PATTERN, heartb
 from tests.support.redis_server import RedisServer
 
 BATCH = 10_000
+BENCH_NAME = "bench-fleet"  # the bench's own connections, left out of a worker's count
 # A worker's beat in its fields' shapes (``tasks.runtime.ChildRuntime.status``), idle with a
 # model loaded: what each simulated host's key holds (about 700 bytes of JSON).
 BEAT: dict[str, Any] = {
@@ -78,6 +84,8 @@ def scan_listing(r: redis.Redis) -> list[dict[str, Any]]:
     """The last release's ``RoundClient.hosts()``: SCAN, then one GET per key."""
     found = []
     for key in r.scan_iter(match=HEARTBEAT_PATTERN, count=100):
+        if key.endswith(b":brief"):  # not there in that release: its listing read beats only
+            continue
         raw = r.get(key)
         if raw is not None:
             found.append(json.loads(raw))
@@ -93,20 +101,47 @@ def timed(fn: Any, runs: int) -> tuple[float, int]:
     return statistics.median(seconds), listed
 
 
+def worker_connections(url: str, root: Path, admin: redis.Redis, idle_s: float) -> list[dict[str, Any]]:
+    """One real worker started and left idle ``idle_s``: its connections (last command, age)."""
+    from bench.redis_idle import ENV
+    from orchestrator.local import LocalWorker
+
+    worker = LocalWorker("fleet-real-0", url, root / "worker", env=ENV)
+    worker.start()
+    try:
+        time.sleep(idle_s)
+        return [
+            {"cmd": c.get("cmd"), "age_s": int(c.get("age", 0)), "addr": c.get("addr")}
+            for c in admin.client_list()
+            if c.get("name") != BENCH_NAME
+        ]
+    finally:
+        worker.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", default="1000,10000", help="fleet sizes, comma-separated")
     p.add_argument("--unrelated", type=int, default=1_000_000, help="unrelated keys in the keyspace")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--scratch", default=None)
+    p.add_argument("--no-worker", dest="worker", action="store_false", help="skip the real worker")
+    p.add_argument("--idle-s", type=float, default=30.0, help="how long the real worker idles")
     args = p.parse_args(argv)
+    connections: list[dict[str, Any]] = []
     rows = []
     with scratch(args.scratch) as root:
         server = RedisServer(Path(root) / "redis").start()
         try:
-            admin = redis.Redis.from_url(server.url)
+            admin = redis.Redis.from_url(server.url, client_name=BENCH_NAME)
+            if args.worker:
+                connections = worker_connections(server.url, Path(root), admin, args.idle_s)
+                print(f"an idle worker holds {len(connections)} connections:", flush=True)
+                for c in connections:
+                    print(f"  last command {c['cmd']}, {c['age_s']} s old", flush=True)
             fill_unrelated(admin, args.unrelated)
             client = RoundClient(Settings(broker_url=server.url, host_id="bench-fleet"))
+            client.redis = redis.Redis.from_url(server.url, client_name=BENCH_NAME)
             for hosts in (int(h) for h in args.hosts.split(",")):
                 admin.delete(HEARTBEAT_INDEX)
                 beat_all(admin, hosts)
@@ -133,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         cells = [row["hosts"], row["keys"], *(f"{row[k]:.1f}" for k in ("brief_ms", "index_ms", "scan_ms"))]
         print("| " + " | ".join(str(c) for c in cells) + " |")
-    save("fleet", {"rows": rows, "unrelated": args.unrelated, "runs": args.runs})
+    save("fleet", {"rows": rows, "unrelated": args.unrelated, "runs": args.runs, "connections": connections})
     return 0
 
 

@@ -107,8 +107,13 @@ class RoundClient:
                 raise answer
         junk: list[Any] = []  # entries no host id spells: removed, never read
         if indexed:
-            names = [name for name in map(_text, members) if HOST_ID.match(name)]
-            junk = [member for member in members if not HOST_ID.match(_text(member))]
+            names = []
+            for member in members:  # one pass: 10,000 of them at fleet size
+                text = _text(member)
+                if HOST_ID.match(text):
+                    names.append(text)
+                else:
+                    junk.append(member)
         else:
             prefix = heartbeat_key("")
             scanned = (
