@@ -35,7 +35,7 @@ import redis
 from bench.common import save, scratch
 from settings import Settings
 from tasks.client import RoundClient
-from tasks.names import BRIEF_FIELDS, HEARTBEAT_INDEX, HEARTBEAT_PATTERN, heartbeat_key
+from tasks.names import HEARTBEAT_INDEX, HEARTBEAT_PATTERN, queue_beat
 from tests.support.redis_server import RedisServer
 
 BATCH = 10_000
@@ -73,10 +73,7 @@ def beat_all(admin: redis.Redis, hosts: int) -> None:
         for n in range(start, min(hosts, start + BATCH)):
             host = f"sim-{n:05d}"
             beat = {**BEAT, "host_id": host, "ts": now, "queue": f"roundhouse.{host}", "pid": 1000 + n}
-            pipe.set(heartbeat_key(host), json.dumps(beat), ex=600)
-            brief = {k: beat.get(k) for k in BRIEF_FIELDS}
-            pipe.set(heartbeat_key(host, brief=True), json.dumps(brief), ex=600)
-            pipe.zadd(HEARTBEAT_INDEX, {host: now + 600})
+            queue_beat(pipe, beat, 600)  # what a worker's beat writes
         pipe.execute()
 
 

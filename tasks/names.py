@@ -33,7 +33,10 @@ the tests all take them from here.
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from settings import queue_name
 from settings.celery import unacked_keys
@@ -56,6 +59,7 @@ __all__ = [
     "heartbeat_key",
     "last_sent_key",
     "nonce_key",
+    "queue_beat",
     "queue_name",
     "seq_key",
     "stop_key",
@@ -88,6 +92,18 @@ HEARTBEAT_PATTERN = heartbeat_key("*")
 HEARTBEAT_INDEX = "roundhouse:beats"
 # What a beat's brief holds: what choosing hosts reads (a tenth of a whole beat's bytes).
 BRIEF_FIELDS = ("host_id", "state", "tenant", "model_hash", "task_id", "queue", "ts")
+
+
+def queue_beat(pipe: Any, beat: Mapping[str, Any], ttl_s: int) -> None:
+    """A beat as it goes on the wire, queued on a Redis pipeline (one round trip): under its
+    host's key (the authority), its brief beside it, and its entry in the fleet's index scored
+    by when it expires (``beat["ts"] + ttl_s``, the worker's clock)."""
+    host = str(beat["host_id"])
+    pipe.set(heartbeat_key(host), json.dumps(beat), ex=ttl_s)
+    pipe.set(heartbeat_key(host, brief=True), json.dumps({k: beat.get(k) for k in BRIEF_FIELDS}), ex=ttl_s)
+    pipe.zadd(HEARTBEAT_INDEX, {host: float(beat["ts"]) + ttl_s})
+
+
 # A host id a name may be built from (an ACL's key pattern, an index entry): no glob
 # characters, no separators, bounded.
 HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")

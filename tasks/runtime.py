@@ -11,7 +11,6 @@ one's files.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -31,7 +30,7 @@ from settings import Settings, get_settings
 from tasks.control import SignalPipe, StopMailbox, StopWatcher, mailbox_dir
 from tasks.events import EventPublisher
 from tasks.metrics import WorkerMetrics
-from tasks.names import BRIEF_FIELDS, HEARTBEAT_INDEX, heartbeat_key
+from tasks.names import queue_beat
 from tasks.overlap import SyncInbox, SyncOrder
 from tasks.trust.signing import Refused, Verifier, load_security, open_stop_token, open_sync_token
 
@@ -245,14 +244,10 @@ class ChildRuntime:
         try:
             beat = self.status()
             beat["ts"] = time.time()
-            ttl = max(1, int(self.settings.heartbeat_ttl_s))
-            # One round trip: the beat under its own key (the authority: an ACL lets a worker
-            # write only its own) and its entry in the fleet's index (who to read).
+            # The beat under its own key (the authority: an ACL lets a worker write only its
+            # own), its brief, and its entry in the fleet's index (who to read).
             pipe = self._redis.pipeline(transaction=False)
-            pipe.set(heartbeat_key(self.host_id), json.dumps(beat), ex=ttl)
-            brief = {k: beat.get(k) for k in BRIEF_FIELDS}
-            pipe.set(heartbeat_key(self.host_id, brief=True), json.dumps(brief), ex=ttl)
-            pipe.zadd(HEARTBEAT_INDEX, {self.host_id: beat["ts"] + ttl})
+            queue_beat(pipe, beat, max(1, int(self.settings.heartbeat_ttl_s)))
             pipe.execute()
         except Exception as exc:  # a heartbeat must never take the child down
             logger.debug("heartbeat failed: %s", exc)
