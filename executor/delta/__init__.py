@@ -35,7 +35,7 @@ from executor.delta._quant import (
     format_name,
     quantize,
 )
-from executor.delta._qwire import trained_keys
+from executor.delta._qwire import quantize_key, residual_keys, trained_keys, trained_shapes
 from executor.delta._schemes import (
     DEFAULT_SCHEME,
     SCHEMES,
@@ -95,12 +95,15 @@ __all__ = [
     "max_delta_tensors",
     "new_hasher",
     "quantize",
+    "quantize_key",
     "read_delta",
+    "residual_keys",
     "result_dtype",
     "scheme_of",
     "state_hash",
     "trained_diff",
     "trained_keys",
+    "trained_shapes",
     "write_delta",
     "write_result_delta",
     "zstd_bound",

@@ -106,25 +106,51 @@ def write_quantized_result(
     """
     with open(original_path, "rb") as file:
         header = read_header(file)
-        names = trained_keys(header, trained)
-        shapes = {n: header.specs[n].shape for n in names}
-        if feedback is not None:
-            feedback.begin(sorted(shapes.items()))
+        shapes = trained_shapes(header, trained)
         with atomic_writer(path) as raw, _quant_stream(raw, scheme, shapes, compressor) as stream:
-            for name in names:
-                original = read_tensor(file, header, header.specs[name]).to(torch.float32)
-                # contiguous: a transposed trained tensor must flatten in the model's row-major order
-                value = (trained[name].detach().to("cpu", torch.float32) - original).contiguous()
-                del original
-                previous = feedback.previous(name, shapes[name]) if feedback is not None else None
-                if previous is not None:
-                    value.add_(previous)
-                dequantized = torch.empty(value.shape, dtype=torch.float32)
-                try:
-                    qt = quantize(value, scheme, dequantized=dequantized)
-                except ValueError:
-                    raise ValueError(f"trained {name!r} has inf or nan: it cannot be quantised") from None
-                stream.put(name, qt, dequantized)
-                if feedback is not None:
-                    feedback.put(name, value.sub_(dequantized))
+            for name, value, dequantized in residual_keys(file, header, shapes, trained, feedback):
+                stream.put(name, quantize_key(name, value, scheme, dequantized), dequantized)
     return stream.digest, stream.keys
+
+
+def trained_shapes(header: Any, trained: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The keys a round's delta writes (:func:`trained_keys`), in order, with their shapes."""
+    return {name: header.specs[name].shape for name in trained_keys(header, trained)}
+
+
+def residual_keys(
+    file: IO[bytes],
+    header: Any,
+    shapes: Mapping[str, tuple[int, ...]],
+    trained: Mapping[str, torch.Tensor],
+    feedback: ResidualUpdate | None,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The per-key step of a quantised delta with error feedback, whole or in shards: for each
+    key of ``shapes`` (from the open model ``file``), ``trained - original`` in fp32 plus the
+    previous residual, and a buffer the caller fills with the dequantised values of what it
+    quantised; once it asks for the next key, this key's next residual (the rest) is staged."""
+    if feedback is not None:
+        feedback.begin(sorted(shapes.items()))
+    for name, shape in shapes.items():
+        original = read_tensor(file, header, header.specs[name]).to(torch.float32)
+        # contiguous: a transposed trained tensor must flatten in the model's row-major order
+        value = (trained[name].detach().to("cpu", torch.float32) - original).contiguous()
+        del original
+        previous = feedback.previous(name, shape) if feedback is not None else None
+        if previous is not None:
+            value.add_(previous)
+        dequantized = torch.empty(value.shape, dtype=torch.float32)
+        yield name, value, dequantized
+        if feedback is not None:
+            feedback.put(name, value.sub_(dequantized))
+
+
+def quantize_key(
+    name: str, value: torch.Tensor, scheme: QuantScheme, dequantized: torch.Tensor
+) -> QuantTensor:
+    """``value`` (a key, or a slice of one) quantised, its dequantised values in
+    ``dequantized``; a non-finite value is a ``ValueError`` naming the key."""
+    try:
+        return quantize(value, scheme, dequantized=dequantized)
+    except ValueError:
+        raise ValueError(f"trained {name!r} has inf or nan: it cannot be quantised") from None

@@ -24,17 +24,19 @@ from executor.delta import (
     QuantTensor,
     ResidualUpdate,
     max_delta_bytes,
-    quantize,
+    quantize_key,
     read_delta,
+    residual_keys,
     scheme_of,
     state_hash,
     trained_diff,
     trained_keys,
+    trained_shapes,
     write_delta,
 )
 from executor.errors import BadArtifact, HashMismatch
 from executor.reduce._partition import Partition, Slice, flat_slice
-from executor.tensorfile import Header, TensorSpec, read_header, read_into, read_tensor, tensor_bytes
+from executor.tensorfile import Header, TensorSpec, read_header, read_into, tensor_bytes
 
 
 def read_slice(file: object, header: Header, spec: TensorSpec, piece: Slice) -> torch.Tensor:
@@ -99,25 +101,12 @@ def _quantized_shards(
             where.setdefault(piece.key, []).append((index, piece))
     with open(start_path, "rb") as start:
         header = read_header(start)
-        names = trained_keys(header, trained)
-        shapes = {n: header.specs[n].shape for n in names}
-        if feedback is not None:
-            feedback.begin(sorted(shapes.items()))
-        for name in names:
-            value = trained_diff(trained[name], read_tensor(start, header, header.specs[name]), torch.float32)
-            previous = feedback.previous(name, shapes[name]) if feedback is not None else None
-            if previous is not None:
-                value.add_(previous)
-            dequantized = torch.empty(value.shape, dtype=torch.float32)
-            for index, piece in where.get(name, []):
-                try:
-                    codes[index][name] = quantize(
-                        flat_slice(value, piece), scheme, dequantized=flat_slice(dequantized, piece)
-                    )
-                except ValueError:
-                    raise ValueError(f"trained {name!r} has inf or nan: it cannot be quantised") from None
-            if feedback is not None:
-                feedback.put(name, value.sub_(dequantized))
+        shapes = trained_shapes(header, trained)
+        for name, value, dequantized in residual_keys(start, header, shapes, trained, feedback):
+            for index, piece in where.get(name, []):  # the whole key's blocks, cut where the shards are
+                codes[index][name] = quantize_key(
+                    name, flat_slice(value, piece), scheme, flat_slice(dequantized, piece)
+                )
     return [write_delta(QuantizedDelta(scheme, c), path) for c, path in zip(codes, paths, strict=True)]
 
 
