@@ -314,6 +314,16 @@ def orchestrated(
     return orchestrator
 
 
+def star_models(client: RoundClient, store: Any, where: Path, tenant: str, **options: Any) -> list[str]:
+    """The global model's hash after each of three rounds of the same demo session, star path:
+    what a sharded session's models are compared with."""
+    where.mkdir(exist_ok=True)
+    star = orchestrated(client, store, where, tenant, "star", **options)
+    hashes = [s.model_hash for s in star.run(3)]
+    star.close()
+    return hashes
+
+
 def test_a_sharded_session_through_the_orchestrator_is_the_star_sessions_model(
     cluster, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -322,9 +332,7 @@ def test_a_sharded_session_through_the_orchestrator_is_the_star_sessions_model(
     same, round after round; every host holds the global model after each sharded sync, and
     no tensor byte of a sharded round passes through the orchestrator (it GETs nothing)."""
     client, store = cluster
-    star = orchestrated(client, store, tmp_path, "star-run", "star")
-    star_hashes = [s.model_hash for s in star.run(3)]
-    star.close()
+    star_hashes = star_models(client, store, tmp_path, "star-run")
     (tmp_path / "s").mkdir()
     sharded = orchestrated(client, store, tmp_path / "s", "sharded-run", "sharded")
     fetched: list[str] = []
@@ -370,10 +378,7 @@ def test_a_deferred_store_no_apply_confirms_is_restored_by_the_orchestrator(clus
     velocity again from the store's objects and PUTs them, and the session goes on to the star
     session's models, round after round."""
     client, store = cluster
-    (tmp_path / "ref").mkdir()
-    star = orchestrated(client, store, tmp_path / "ref", "restore-ref", "star")
-    star_hashes = [s.model_hash for s in star.run(3)]
-    star.close()
+    star_hashes = star_models(client, store, tmp_path / "ref", "restore-ref")
     sharded = orchestrated(client, store, tmp_path, "restore-run", "sharded")
     send, said = client.apply_delta, []
 
@@ -492,10 +497,7 @@ def test_an_orchestrator_killed_between_a_rounds_reduce_and_its_sync_is_resumed(
     resumed one brings the hosts to that round's model from the store's state shards, records
     the round and goes on; its models are the star session's, round after round."""
     client, store = cluster
-    (tmp_path / "ref").mkdir()
-    star = orchestrated(client, store, tmp_path / "ref", "resume-ref", "star")
-    star_hashes = [s.model_hash for s in star.run(3)]
-    star.close()
+    star_hashes = star_models(client, store, tmp_path / "ref", "resume-ref")
     shards = [
         {"url": store.publish(name, path), "compression": "zstd", "size_bytes": path.stat().st_size}
         for name, path in build_shards(tmp_path)
@@ -535,10 +537,7 @@ def test_a_round_that_cannot_close_falls_back_to_the_star_path(cluster, tmp_path
     from the store's shards), syncs it by the star path and writes them back as shards; round 2
     is sharded again. The models are the star session's, round after round."""
     client, store = cluster
-    (tmp_path / "ref").mkdir()
-    star = orchestrated(client, store, tmp_path / "ref", "fallback-ref", "star")
-    star_hashes = [s.model_hash for s in star.run(3)]
-    star.close()
+    star_hashes = star_models(client, store, tmp_path / "ref", "fallback-ref")
     sharded = orchestrated(client, store, tmp_path, "fallback", "sharded")
     send = client.reduce_shard
 
@@ -565,10 +564,7 @@ def test_an_int8_sharded_session_is_the_int8_star_sessions_model(cluster, tmp_pa
     """int8 deltas with error feedback, sharded: each host's blocks are its whole delta's, cut
     where the shards are, and its residual the same; three rounds, the star session's models."""
     client, store = cluster
-    (tmp_path / "ref").mkdir()
-    star = orchestrated(client, store, tmp_path / "ref", "int8-ref", "star", delta_dtype="int8")
-    star_hashes = [s.model_hash for s in star.run(3)]
-    star.close()
+    star_hashes = star_models(client, store, tmp_path / "ref", "int8-ref", delta_dtype="int8")
     sharded = orchestrated(client, store, tmp_path, "int8-sharded", "sharded", delta_dtype="int8")
     history = sharded.run(3)
     assert [s.model_hash for s in history] == star_hashes
